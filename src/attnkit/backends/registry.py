@@ -1,0 +1,163 @@
+"""The backend registry: every attention algorithm is one function with one signature.
+
+A backend is registered under a name with two functions:
+
+* ``run(call) -> (output, weights | None)`` computes attention for a validated ``AttentionCall``;
+* ``why_not(call) -> str | None`` says, in a sentence, why the backend cannot serve that call
+  (``None`` when it can).
+
+``scaled_dot_product_attention(..., backend="name")`` looks the name up here; ``backend="auto"``
+walks ``AUTO_ORDER`` and takes the first backend whose ``why_not`` is ``None``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnkit.masks import BiasFn, MaskFn, causal_mask, materialize
+
+__all__ = [
+    "AUTO_ORDER",
+    "AttentionCall",
+    "Backend",
+    "BackendUnavailable",
+    "available_backends",
+    "get_backend",
+    "register_backend",
+    "select_backend",
+]
+
+
+class BackendUnavailable(ValueError):
+    """A backend was asked for a call it cannot serve; the message says why."""
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """The validated arguments of one attention call (see ``scaled_dot_product_attention``).
+
+    Shapes: ``query (..., h, i, d)``, ``key (..., h_kv, j, d)``, ``value (..., h_kv, j, dv)``
+    with ``h_kv`` dividing ``h`` (grouped-query attention when they differ; inputs without a head
+    axis have ``h = h_kv``). ``mask`` is a bool tensor broadcastable to ``(..., h, i, j)`` or a mask
+    function; ``bias`` a float tensor or a bias function. ``is_causal`` is aligned bottom-right.
+    """
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    mask: Tensor | MaskFn | None
+    bias: Tensor | BiasFn | None
+    is_causal: bool
+    scale: float
+    dropout_p: float
+    generator: torch.Generator | None
+    return_weights: bool
+
+    @property
+    def n_queries(self) -> int:
+        return self.query.shape[-2]
+
+    @property
+    def n_keys(self) -> int:
+        return self.key.shape[-2]
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head: 1 for ordinary attention, ``h`` for multi-query."""
+        if self.query.ndim < 3:
+            return 1
+        return self.query.shape[-3] // self.key.shape[-3]
+
+    @property
+    def score_shape(self) -> tuple[int, ...]:
+        """Shape of the full score tensor ``(..., h, i, j)``."""
+        return (*self.query.shape[:-1], self.n_keys)
+
+    def dense_mask(self) -> Tensor | None:
+        """The mask as one bool tensor: the given mask (evaluated if a function) and causality."""
+        mask = self.mask
+        if callable(mask):
+            mask = materialize(mask, self.score_shape, device=self.query.device)
+        if self.is_causal:
+            causal = causal_mask(self.n_queries, self.n_keys, device=self.query.device)
+            mask = causal if mask is None else mask & causal
+        return mask
+
+    def dense_bias(self, dtype: torch.dtype) -> Tensor | None:
+        """The bias as one float tensor of ``dtype`` (evaluated if a function)."""
+        bias = self.bias
+        if bias is None:
+            return None
+        if callable(bias):
+            bias = materialize(bias, self.score_shape, device=self.query.device)
+        return bias.to(dtype)
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    run: Callable[[AttentionCall], tuple[Tensor, Tensor | None]]
+    why_not: Callable[[AttentionCall], str | None]
+    description: str = ""
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+AUTO_ORDER: list[str] = ["torch", "math"]
+"""Backends ``backend="auto"`` tries, in order. The math backend serves every call."""
+
+
+def _always(call: AttentionCall) -> str | None:
+    return None
+
+
+def register_backend(
+    name: str,
+    run: Callable[[AttentionCall], tuple[Tensor, Tensor | None]],
+    why_not: Callable[[AttentionCall], str | None] | None = None,
+    *,
+    description: str = "",
+) -> Backend:
+    """Register (or replace) a backend under ``name``."""
+    if not name or name == "auto":
+        raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
+    backend = Backend(name, run, why_not or _always, description)
+    _REGISTRY[name] = backend
+    return backend
+
+
+def available_backends() -> list[str]:
+    """Names of the registered backends."""
+    return sorted(_REGISTRY)
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(["auto", *available_backends()])
+        raise ValueError(f"backend must be one of {known}; got {name!r}") from None
+
+
+def select_backend(name: str, call: AttentionCall) -> Backend:
+    """The backend that will serve ``call``: the named one, or the first that can for ``"auto"``."""
+    if name == "auto":
+        reasons = []
+        for candidate in AUTO_ORDER:
+            backend = _REGISTRY.get(candidate)
+            if backend is None:
+                continue
+            reason = backend.why_not(call)
+            if reason is None:
+                return backend
+            reasons.append(f"{candidate}: {reason}")
+        raise BackendUnavailable("no backend can serve this call (" + "; ".join(reasons) + ")")
+    backend = get_backend(name)
+    reason = backend.why_not(call)
+    if reason is not None:
+        raise BackendUnavailable(f"backend {name!r} cannot serve this call: {reason}")
+    return backend

@@ -1,0 +1,57 @@
+"""The ``attnkit`` command line: a thin shell over the library.
+
+Each subcommand lives in ``attnkit/commands/<name>.py`` and exposes ``register(subparsers)``,
+which adds its parser and sets ``func`` to a function ``(args) -> int``. Heavy imports happen
+inside those functions, so ``attnkit --help`` stays fast.
+
+Errors the user can fix (bad arguments, missing files, bad shapes) are ``ValueError``,
+``TypeError``, ``FileNotFoundError`` or ``PermissionError``: they print one line on stderr and
+exit with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# One line per subcommand module; order is the order of `attnkit --help`.
+COMMAND_MODULES = [
+    "attnkit.commands.demo",
+]
+
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, PermissionError, IsADirectoryError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnkit", description="Attention mechanisms you can read, run and look at."
+    )
+    from attnkit import __version__
+
+    parser.add_argument("--version", action="version", version=f"attnkit {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as exc:
+        print(f"attnkit {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"attnkit {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

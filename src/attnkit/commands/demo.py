@@ -1,0 +1,50 @@
+"""``attnkit demo``: the main job, a tour of attnkit on real inputs.
+
+Step 1 is the brief's worked example (tutorial 003): one query over three keys, computed by
+attnkit and printed next to the figures the tutorial reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# The worked example of the brief (tutorial 003), and the figures it reports (3 decimals).
+WORKED_QUERY = [[1.0, 2.0]]
+WORKED_KEYS = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
+WORKED_VALUES = [[0.5, 0.3], [0.8, 0.2], [0.1, 0.9]]
+BRIEF_WEIGHTS = [0.140, 0.284, 0.576]
+BRIEF_OUTPUT = [0.355, 0.617]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("demo", help="a tour of attnkit: worked example and more")
+    parser.set_defaults(func=run)
+
+
+def worked_example() -> tuple[list[float], list[float]]:
+    """attnkit's weights and output for the brief's worked example."""
+    import torch
+
+    from attnkit import scaled_dot_product_attention
+
+    q = torch.tensor(WORKED_QUERY, dtype=torch.float64)
+    k = torch.tensor(WORKED_KEYS, dtype=torch.float64)
+    v = torch.tensor(WORKED_VALUES, dtype=torch.float64)
+    output, weights = scaled_dot_product_attention(q, k, v, return_weights=True)
+    return weights[0].tolist(), output[0].tolist()
+
+
+def _row(label: str, brief: list[float], ours: list[float]) -> str:
+    b = ", ".join(f"{x:.3f}" for x in brief)
+    o = ", ".join(f"{x:.3f}" for x in ours)
+    ok = "yes" if all(abs(x - y) < 5e-4 for x, y in zip(brief, ours, strict=True)) else "NO"
+    return f"  {label:<8} brief [{b}]   attnkit [{o}]   agree to 3 decimals: {ok}"
+
+
+def run(args: argparse.Namespace) -> int:
+    weights, output = worked_example()
+    print("1. The brief's worked example: Q = [1, 2], K = [[1, 0], [0, 1], [1, 1]],")
+    print("   V = [[0.5, 0.3], [0.8, 0.2], [0.1, 0.9]], scale 1/sqrt(2)")
+    print(_row("weights", BRIEF_WEIGHTS, weights))
+    print(_row("output", BRIEF_OUTPUT, output))
+    return 0

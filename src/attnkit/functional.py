@@ -1,0 +1,275 @@
+"""Scaled dot-product attention: the reference math, written once, and dispatch to a backend.
+
+Shape vocabulary (used in every comment below):
+
+    b  batch    h  query heads    h_kv  key/value heads    g = h // h_kv  queries per kv head
+    i  query positions    j  key positions    d  query/key width    dv  value width
+
+The reference (``attention_math``) is the specification every fast backend is tested against
+(Vaswani et al. 2017, "Attention Is All You Need", section 3.2.1)::
+
+    scores  = (Q @ K^T) * scale + bias        # (..., h, i, j), scale defaults to 1/sqrt(d)
+    scores  = scores where mask else -big     # mask: True = may attend
+    weights = softmax(scores) * mask          # a fully masked row becomes all zeros
+    weights = dropout(weights)                # training only; the caller passes dropout_p=0 at eval
+    output  = weights @ V                     # (..., h, i, dv)
+
+Why this order (the brief's tutorial 002 explains it too): the scale keeps softmax from saturating
+as ``d`` grows; the mask must come before softmax so blocked keys take no probability mass; dropout
+comes after softmax so it perturbs a distribution rather than the logits.
+
+Numerics: scores and softmax are computed in float32 (float64 stays float64), so float16 and
+bfloat16 inputs with large logits do not overflow. Blocked positions get the dtype's finite
+minimum, not ``-inf`` (which would turn a fully masked row into NaN), and the weights are then
+multiplied by the mask, so a fully masked row yields zero weights, zero output and finite gradients
+instead of the uniform attention a ``-1e9`` fill gives.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+from torch import Tensor
+
+from attnkit.backends.registry import AttentionCall, get_backend, register_backend, select_backend
+from attnkit.masks import BiasFn, MaskFn
+
+__all__ = ["attention_math", "make_call", "scaled_dot_product_attention"]
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | MaskFn | None = None,
+    *,
+    bias: Tensor | BiasFn | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    backend: str = "auto",
+    generator: torch.Generator | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of ``query`` over ``key``/``value``.
+
+    Args:
+        query: ``(..., h, i, d)``; any number of leading dims (a head axis is optional).
+        key: ``(..., h_kv, j, d)``. ``h_kv`` may divide ``h`` (grouped-query attention); ``j`` may
+            differ from ``i``.
+        value: ``(..., h_kv, j, dv)``; ``dv`` may differ from ``d``.
+        mask: bool, ``True`` = may attend, broadcastable to ``(..., h, i, j)``; or a mask function
+            ``fn(b, h, i, j) -> bool`` (4-D inputs only). See ``attnkit.masks``.
+        bias: float, added to the scaled scores (relative positions, ALiBi), broadcastable to
+            ``(..., h, i, j)``; or a bias function ``fn(b, h, i, j) -> float``.
+        is_causal: query ``q`` sees keys ``k <= q + (j - i)``: aligned bottom-right, so with a KV
+            cache the last query sees every key. For ``i = 2, j = 5``::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+            May be combined with ``mask`` (both apply).
+        scale: multiplies ``Q @ K^T``; ``None`` means ``1 / sqrt(d)``.
+        dropout_p: probability of zeroing an attention weight (survivors are scaled by
+            ``1 / (1 - p)``). Pass ``0.0`` at inference; modules do this from ``self.training``.
+        return_weights: also return the attention weights ``(..., h, i, j)`` (before dropout).
+        backend: ``"auto"`` (torch's fused kernel when it can serve the call, else the math),
+            ``"math"`` (the reference below), ``"torch"``, or any registered backend.
+        generator: random generator for dropout, for reproducible masks.
+
+    Returns:
+        The output ``(..., h, i, dv)`` in the query's dtype, or ``(output, weights)``.
+    """
+    call = make_call(
+        query,
+        key,
+        value,
+        mask,
+        bias=bias,
+        is_causal=is_causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
+        generator=generator,
+    )
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    if backend != "auto":
+        get_backend(backend)  # unknown names fail here, before any work
+    output, weights = select_backend(backend, call).run(call)
+    if return_weights:
+        assert weights is not None, "a backend that serves return_weights must return weights"
+        return output, weights
+    return output
+
+
+def make_call(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | MaskFn | None = None,
+    *,
+    bias: Tensor | BiasFn | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    generator: torch.Generator | None = None,
+) -> AttentionCall:
+    """Validate the arguments of an attention call; every problem is reported before any work."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., n, d), got {tuple(t.shape)}")
+    shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, "
+            f"{value.dtype}"
+        )
+    if not (query.device == key.device == value.device):
+        raise ValueError(f"query, key and value must be on one device ({shapes})")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query and key must have the same last dim d; got {shapes}")
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"key and value must have the same length j (dim -2); got {shapes}")
+    if key.shape[:-2] != value.shape[:-2]:
+        raise ValueError(f"key and value must have the same leading dims; got {shapes}")
+    if query.ndim != key.ndim:
+        raise ValueError(f"query and key must have the same number of dims; got {shapes}")
+    if query.shape[:-3] != key.shape[:-3]:
+        raise ValueError(f"query and key must have the same batch dims; got {shapes}")
+    if query.ndim >= 3:
+        h, h_kv = query.shape[-3], key.shape[-3]
+        if h_kv == 0 or h % h_kv != 0:
+            raise ValueError(
+                f"key/value heads (dim -3, {h_kv}) must equal or divide query heads ({h}) "
+                f"for grouped-query attention; got {shapes}"
+            )
+    score_shape = (*query.shape[:-1], key.shape[-2])
+
+    if mask is not None and not callable(mask):
+        if not isinstance(mask, Tensor):
+            raise TypeError(
+                f"mask must be a bool tensor or a mask function, got {type(mask).__name__}"
+            )
+        if mask.dtype != torch.bool:
+            raise TypeError(
+                f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}; "
+                "for an additive float mask pass it as bias=, for torch's True = ignore "
+                "convention use attnkit.masks.from_torch"
+            )
+        _check_broadcast("mask", mask, score_shape)
+    if bias is not None and not callable(bias):
+        if not isinstance(bias, Tensor):
+            raise TypeError(
+                f"bias must be a float tensor or a bias function, got {type(bias).__name__}"
+            )
+        if not bias.is_floating_point():
+            raise TypeError(f"bias must be a floating-point tensor, got dtype {bias.dtype}")
+        _check_broadcast("bias", bias, score_shape)
+    if (callable(mask) or callable(bias)) and query.ndim != 4:
+        raise ValueError(
+            f"mask and bias functions take (b, h, i, j) indices, so query must be 4-D; got {shapes}"
+        )
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    elif not isinstance(scale, Real) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite number or None, got {scale!r}")
+    if not isinstance(dropout_p, Real) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if not isinstance(return_weights, bool):
+        raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    return AttentionCall(
+        query,
+        key,
+        value,
+        mask,
+        bias,
+        is_causal,
+        float(scale),
+        float(dropout_p),
+        generator,
+        return_weights,
+    )
+
+
+def _check_broadcast(name: str, t: Tensor, score_shape: tuple[int, ...]) -> None:
+    try:
+        shape = torch.broadcast_shapes(t.shape, score_shape)
+    except RuntimeError:
+        shape = None
+    if shape != torch.Size(score_shape):
+        raise ValueError(
+            f"{name} of shape {tuple(t.shape)} does not broadcast to the scores' shape "
+            f"{tuple(score_shape)} (..., h, i, j)"
+        )
+
+
+def _grouped(t: Tensor, ndim: int, h_kv: int, g: int) -> Tensor:
+    """View a tensor broadcastable to ``(..., h, i, j)`` as ``(..., h_kv, g, i, j)``, no copy."""
+    t = t.reshape((1,) * (ndim - t.ndim) + tuple(t.shape))  # pad to the scores' rank
+    if t.shape[-3] == 1:
+        return t.unsqueeze(-3)  # (..., 1, 1, i, j)
+    return t.unflatten(-3, (h_kv, g))  # (..., h_kv, g, i, j)
+
+
+def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    """The reference: every step visible, every other backend is tested against it."""
+    q, k, v = call.query, call.key, call.value
+    compute = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 for float64 input
+    g = call.groups
+    mask = call.dense_mask()
+    bias = call.dense_bias(compute)
+    if g > 1:
+        # Grouped-query attention: each key/value head serves g query heads. Broadcasting a
+        # singleton axis shares K and V between the group without copying them per head.
+        h_kv = k.shape[-3]
+        ndim = q.ndim + 1
+        q = q.unflatten(-3, (h_kv, g))  # (..., h_kv, g, i, d)
+        k = k.unsqueeze(-3)  # (..., h_kv, 1, j, d)
+        v = v.unsqueeze(-3)  # (..., h_kv, 1, j, dv)
+        mask = None if mask is None else _grouped(mask, ndim, h_kv, g)
+        bias = None if bias is None else _grouped(bias, ndim, h_kv, g)
+
+    scores = (q.to(compute) @ k.to(compute).transpose(-2, -1)) * call.scale  # (..., i, j)
+    if bias is not None:
+        scores = scores + bias
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(compute).min)
+    weights = torch.softmax(scores, dim=-1)
+    if mask is not None:
+        # A fully masked row softmaxes to uniform; multiplying by the mask makes it zero.
+        weights = weights * mask
+    attended = weights
+    if call.dropout_p > 0.0:
+        keep = (
+            torch.rand(
+                weights.shape, generator=call.generator, device=weights.device, dtype=compute
+            )
+            >= call.dropout_p
+        )
+        attended = weights * keep / (1.0 - call.dropout_p)
+    output = attended @ v.to(compute)  # (..., i, dv)
+
+    if g > 1:
+        output = output.flatten(-4, -3)  # (..., h, i, dv)
+        weights = weights.flatten(-4, -3)  # (..., h, i, j)
+    out_weights = weights.to(call.query.dtype) if call.return_weights else None
+    return output.to(call.query.dtype), out_weights
+
+
+register_backend(
+    "math",
+    attention_math,
+    description="the reference: explicit scores, float32 softmax, serves every call",
+)
