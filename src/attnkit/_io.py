@@ -1,0 +1,60 @@
+"""Atomic file writes: a file is either its old self or completely new, never half written."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_text", "check_writable"]
+
+
+def check_writable(path: str | os.PathLike[str]) -> Path:
+    """Fail early (before heavy work) when ``path`` cannot be written; returns it as a Path."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"output path {str(path)!r} is a directory, expected a file path")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        raise FileNotFoundError(f"output directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"output directory {str(parent)!r} is not writable")
+    return path
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike[str], mode: str = "w", **kwargs: object) -> Iterator[IO]:
+    """Open a temporary file beside ``path``; on success it replaces ``path`` in one rename.
+
+    If the block raises (or the process dies), ``path`` is untouched and the temporary file is
+    removed (or left as ``.<name>.*.tmp``, never under the real name).
+    """
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_open supports modes 'w' and 'wb', got {mode!r}")
+    path = check_writable(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **kwargs) as handle:  # type: ignore[call-overload]
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    with atomic_open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    return Path(path)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+    with atomic_open(path, "wb") as handle:
+        handle.write(data)
+    return Path(path)
