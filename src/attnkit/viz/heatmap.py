@@ -126,7 +126,7 @@ def plot_attention(
             f"weights must be one head (i, j); got shape {tuple(arr.shape)}: "
             "use plot_heads for (heads, i, j) or plot_overview for (layers, heads, i, j)"
         )
-    arr4, q_tokens, k_tokens = as_attention4d(arr, tokens, key_tokens, name="weights")
+    _, q_tokens, k_tokens = as_attention4d(arr, tokens, key_tokens, name="weights")
     _, Figure = _matplotlib()
     i, j = arr.shape
     if annotate is None:

@@ -47,7 +47,8 @@ def token_highlight_html(tokens: list[str], weights: Sequence[float], *, title: 
             f'margin:0 1px;border-radius:3px;white-space:pre-wrap">{html.escape(word)}</span>'
         )
     heading = (
-        f'<div class="ak-title" style="font-weight:600;margin-bottom:6px">{html.escape(title)}</div>'
+        '<div class="ak-title" style="font-weight:600;margin-bottom:6px">'
+        f"{html.escape(title)}</div>"
         if title
         else ""
     )
