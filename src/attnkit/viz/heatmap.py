@@ -42,17 +42,22 @@ def _matplotlib() -> Any:
     return matplotlib, Figure
 
 
-def _ticks(ax: Any, tokens: list[str], axis: str) -> None:
+def _short(token: str, limit: int) -> str:
+    return token if len(token) <= limit else token[: limit - 1] + "…"
+
+
+def _ticks(ax: Any, tokens: list[str], axis: str, limit: int = 24) -> None:
     step = max(1, math.ceil(len(tokens) / LABEL_MAX_TOKENS))
     positions = list(range(0, len(tokens), step))
-    labels = [tokens[p] for p in positions]
+    labels = [_short(tokens[p], limit) for p in positions]
     size = 9 if len(tokens) <= 30 else 6
+    # parse_math=False: a token such as "$5" or "$x$" is text, not TeX.
     if axis == "x":
         ax.set_xticks(positions)
-        ax.set_xticklabels(labels, rotation=90, fontsize=size)
+        ax.set_xticklabels(labels, rotation=90, fontsize=size, parse_math=False)
     else:
         ax.set_yticks(positions)
-        ax.set_yticklabels(labels, fontsize=size)
+        ax.set_yticklabels(labels, fontsize=size, parse_math=False)
 
 
 def _draw(
@@ -66,17 +71,22 @@ def _draw(
     vmax: float,
     annotate: bool,
     labels: bool,
+    xlabels: bool = True,
+    ylabels: bool = True,
+    limit: int = 24,
 ) -> Any:
     image = ax.imshow(
         weights, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest"
     )
-    if labels:
-        _ticks(ax, k_tokens, "x")
-        _ticks(ax, q_tokens, "y")
+    if labels and xlabels:
+        _ticks(ax, k_tokens, "x", limit)
         ax.set_xlabel("key (j)")
-        ax.set_ylabel("query (i)")
     else:
         ax.set_xticks([])
+    if labels and ylabels:
+        _ticks(ax, q_tokens, "y", limit)
+        ax.set_ylabel("query (i)")
+    else:
         ax.set_yticks([])
     if annotate:
         mid = vmin + (vmax - vmin) / 2
@@ -95,9 +105,18 @@ def _draw(
     return image
 
 
-def _default_size(i: int, j: int) -> tuple[float, float]:
-    """Inches: about a third of an inch per token, clamped to a readable page."""
-    return (min(16.0, max(4.0, 2.5 + 0.32 * j)), min(16.0, max(3.5, 2.0 + 0.32 * i)))
+def _default_size(q_tokens: list[str], k_tokens: list[str]) -> tuple[float, float]:
+    """Inches: room for the cells, the longest (shortened) labels and the colour bar."""
+    i, j = len(q_tokens), len(k_tokens)
+    n = max(i, j)
+    cell = 0.45 if n <= ANNOTATE_MAX_TOKENS else max(0.06, min(0.3, 9.0 / n))
+
+    def label(tokens: list[str]) -> float:
+        return 0.6 + 0.075 * min(24, max(len(t) for t in tokens))
+
+    width = j * cell + label(q_tokens) + 1.6
+    height = i * cell + label(k_tokens) + 0.7
+    return (min(18.0, max(3.5, width)), min(18.0, max(3.0, height)))
 
 
 def plot_attention(
@@ -133,7 +152,9 @@ def plot_attention(
         annotate = max(i, j) <= ANNOTATE_MAX_TOKENS
     if vmax is None:
         vmax = 1.0 if arr.max() <= 1.0 else float(arr.max())
-    fig = Figure(figsize=figsize or _default_size(i, j), dpi=dpi, layout="constrained")
+    fig = Figure(
+        figsize=figsize or _default_size(q_tokens, k_tokens), dpi=dpi, layout="constrained"
+    )
     ax = fig.add_subplot()
     image = _draw(
         ax, arr, q_tokens, k_tokens, cmap=cmap, vmin=vmin, vmax=vmax, annotate=annotate, labels=True
@@ -170,7 +191,7 @@ def plot_heads(
     _, Figure = _matplotlib()
     ncols = ncols or min(n_heads, 4)
     nrows = math.ceil(n_heads / ncols)
-    panel = max(2.2, min(4.5, 0.18 * max(i, j) + 1.2))
+    panel = max(2.4, min(4.5, 0.18 * max(i, j) + 1.4))
     fig = Figure(
         figsize=figsize or (panel * ncols + 1.0, panel * nrows + 0.6), dpi=dpi, layout="constrained"
     )
@@ -191,6 +212,9 @@ def plot_heads(
             vmax=max(1.0, float(heads.max())),
             annotate=False,
             labels=labels,
+            xlabels=h // ncols == nrows - 1 or h + ncols >= n_heads,  # bottom panel of a column
+            ylabels=h % ncols == 0,  # first column
+            limit=12,
         )
         ax.set_title(f"head {h}", fontsize=9)
         if labels:
@@ -224,7 +248,7 @@ def plot_overview(
     n_layers, n_heads, _, _ = arr.shape
     _, Figure = _matplotlib()
     fig = Figure(
-        figsize=figsize or (1.1 * n_heads + 1.2, 1.1 * n_layers + 0.8),
+        figsize=figsize or (1.1 * n_heads + 1.6, 1.1 * n_layers + 1.0),
         dpi=dpi,
         layout="constrained",
     )
