@@ -162,7 +162,7 @@ def plot_attention(
     if colorbar:
         fig.colorbar(image, ax=ax, label="attention weight")
     if title:
-        ax.set_title(title)
+        ax.set_title(title, parse_math=False)
     return fig
 
 
@@ -222,7 +222,7 @@ def plot_heads(
             ax.set_ylabel("")
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
-    fig.suptitle(title or f"Layer {layer}: all {n_heads} heads")
+    fig.suptitle(title or f"Layer {layer}: all {n_heads} heads", parse_math=False)
     return fig
 
 
@@ -269,7 +269,7 @@ def plot_overview(
                 ax.set_ylabel(f"L{layer}", fontsize=8)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
-    fig.suptitle(title or f"All heads: {n_layers} layers x {n_heads} heads")
+    fig.suptitle(title or f"All heads: {n_layers} layers x {n_heads} heads", parse_math=False)
     return fig
 
 
