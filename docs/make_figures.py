@@ -1,0 +1,191 @@
+"""Make every picture the docs show, from attnkit itself (no picture is drawn by hand).
+
+    PYTHONPATH=src python docs/make_figures.py              # writes docs/figures/*.png
+    PYTHONPATH=src python docs/make_figures.py --out /tmp/f # somewhere else
+    PYTHONPATH=src python docs/make_figures.py --only masks positions
+
+Each ``fig_<name>`` function below returns a matplotlib Figure that is saved as ``<name>.png``
+with ``attnkit.viz.save_figure``. Heat maps of attention weights use ``attnkit.viz``; pictures
+of masks and of positional scores (not attention weights) are plain matplotlib over tensors that
+attnkit computed. PNGs are written with a small palette so each stays well under 100 KB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnkit import masks, positional, scaled_dot_product_attention, viz
+from attnkit._io import atomic_write_bytes
+
+OUT = Path(__file__).resolve().parent / "figures"
+DPI = 80
+
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+
+
+def _draw_mask(ax: Any, mask: torch.Tensor, title: str) -> None:
+    """A bool (i, j) mask as a grid of cells: dark = may attend, each cell labelled 1 or 0."""
+    i, j = mask.shape
+    ax.imshow(mask.float().numpy(), cmap="Blues", vmin=-0.3, vmax=1.3, interpolation="nearest")
+    for q in range(i):
+        for k in range(j):
+            ax.text(k, q, "1" if mask[q, k] else "0", ha="center", va="center", fontsize=8,
+                    color="white" if mask[q, k] else "0.45")
+    ax.set_xticks(range(j))
+    ax.set_yticks(range(i))
+    ax.tick_params(labelsize=7, length=0)
+    ax.set_xlabel("key j", fontsize=8)
+    ax.set_ylabel("query i", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.set_xticks([x - 0.5 for x in range(1, j)], minor=True)
+    ax.set_yticks([y - 0.5 for y in range(1, i)], minor=True)
+    ax.grid(which="minor", color="white", linewidth=1)
+    ax.tick_params(which="minor", length=0)
+
+
+def fig_masks() -> Any:
+    """The mask conventions: causal alignments, a window, and rows with nothing to attend to."""
+    fig = _figure(10.5, 2.6)
+    axes = fig.subplots(1, 4, width_ratios=[6, 6, 6, 3])
+    _draw_mask(axes[0], masks.causal_mask(3, 6), "is_causal, 3 new queries\n3 cached keys (attnkit)")
+    _draw_mask(axes[1], masks.causal_mask(3, 6, align="top-left"), "top-left (torch's is_causal)")
+    _draw_mask(axes[2], masks.sliding_window_mask(6, left=2), "sliding_window_mask(6, left=2)")
+    _draw_mask(axes[3], masks.causal_mask(5, 3), "causal, 5 queries\n3 keys: empty rows")
+    return fig
+
+
+def fig_worked_example() -> Any:
+    """The brief's worked example: one query, three keys."""
+    q = torch.tensor([[1.0, 2.0]])
+    k = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    v = torch.tensor([[0.5, 0.3], [0.8, 0.2], [0.1, 0.9]])
+    _, weights = scaled_dot_product_attention(q, k, v, return_weights=True)
+    return viz.plot_attention(
+        weights, ["q"], ["k1", "k2", "k3"],
+        title="weights = softmax(q k^T / sqrt(2))", figsize=(4.6, 1.7), dpi=DPI,
+    )
+
+
+def fig_positions() -> Any:
+    """What each positional scheme does to the scores between positions p (query) and s (key)."""
+    n, e, d = 40, 64, 64
+    fig = _figure(10.5, 3.3)
+    axes = fig.subplots(1, 3)
+
+    table = positional.sinusoidal_table(n, e)  # (n, e)
+    sim = table @ table.T / (e / 2)  # (n, n): 1 on the diagonal (sin^2 + cos^2 = 1)
+    im = axes[0].imshow(sim.numpy(), cmap="RdBu_r", vmin=-1, vmax=1)
+    axes[0].set_title("sinusoidal: PE[p] . PE[s] / (e/2)\n(added to the inputs)", fontsize=9)
+    fig.colorbar(im, ax=axes[0], shrink=0.8)
+
+    torch.manual_seed(0)
+    rope = positional.RotaryEmbedding(d)
+    q = torch.randn(1, d).expand(n, d)  # the same query content at every position
+    k = torch.randn(1, d).expand(n, d)  # the same key content at every position
+    scores = rope.rotate(q) @ rope.rotate(k).T / math.sqrt(d)  # (n, n)
+    lim = float(scores.abs().max())
+    im = axes[1].imshow(scores.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim)
+    axes[1].set_title("RoPE: one q and one k at every position\nscore depends on s - p only",
+                      fontsize=9)
+    fig.colorbar(im, ax=axes[1], shrink=0.8)
+
+    bias = positional.alibi_bias(8, n)[0, 0]  # (n, n), head 0: the steepest slope
+    im = axes[2].imshow(bias.numpy(), cmap="Blues_r")
+    axes[2].set_title("ALiBi head 0: bias -0.5 |p - s|\n(added to the scores)", fontsize=9)
+    fig.colorbar(im, ax=axes[2], shrink=0.8)
+    for ax in axes:
+        ax.set_xlabel("key position s", fontsize=8)
+        ax.set_ylabel("query position p", fontsize=8)
+        ax.tick_params(labelsize=7)
+    return fig
+
+
+def fig_alibi_heads() -> Any:
+    """ALiBi alone (all raw scores equal), causal: how far back each of 8 heads looks."""
+    n, h = 12, 8
+    q = torch.zeros(1, h, n, 4)  # equal scores everywhere: only the bias decides
+    _, weights = scaled_dot_product_attention(
+        q, q, q, bias=positional.alibi_fn(h), is_causal=True, return_weights=True
+    )
+    tokens = [str(p) for p in range(n)]
+    return viz.plot_heads(
+        weights[0], tokens, title="ALiBi, causal, equal raw scores: weights of 8 heads",
+        ncols=4, figsize=(9.0, 4.6), dpi=DPI,
+    )
+
+
+def fig_tiling() -> Any:
+    """How a tiled causal kernel walks the score matrix: which tiles it computes and skips."""
+    n, t = 12, 4
+    allowed = masks.causal_mask(n)
+    kind = torch.zeros(n, n)
+    for r in range(0, n, t):
+        for c in range(0, n, t):
+            tile = allowed[r : r + t, c : c + t]
+            kind[r : r + t, c : c + t] = 2 if tile.all() else (1 if tile.any() else 0)
+    fig = _figure(4.2, 3.6)
+    ax = fig.add_subplot()
+    from matplotlib.colors import ListedColormap
+
+    ax.imshow(kind.numpy(), cmap=ListedColormap(["0.93", "#f4b26b", "#4f7fbf"]), vmin=0, vmax=2)
+    for q in range(n):
+        for k in range(n):
+            ax.text(k, q, "1" if allowed[q, k] else "0", ha="center", va="center", fontsize=7,
+                    color="white" if kind[q, k] == 2 else "0.3")
+    for x in range(t, n, t):
+        ax.axhline(x - 0.5, color="black", linewidth=1.5)
+        ax.axvline(x - 0.5, color="black", linewidth=1.5)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_xlabel("keys, in tiles of 4  (blue: no mask needed, orange: mask, grey: skipped)",
+                  fontsize=7)
+    ax.set_ylabel("queries, in tiles of 4", fontsize=8)
+    ax.set_title("Causal attention, 12 x 12, tiles of 4 x 4", fontsize=9)
+    return fig
+
+
+FIGURES: dict[str, Callable[[], Any]] = {
+    name.removeprefix("fig_"): fn
+    for name, fn in sorted(globals().items())
+    if name.startswith("fig_") and callable(fn)
+}
+
+
+def save_png(fig: Any, path: Path) -> Path:
+    """Save ``fig`` as a palette PNG (256 colours), atomically: flat heat maps compress well."""
+    from PIL import Image
+
+    rgba = io.BytesIO()
+    fig.savefig(rgba, format="png", dpi=DPI)
+    image = Image.open(io.BytesIO(rgba.getvalue())).convert("RGB").quantize(256)
+    out = io.BytesIO()
+    image.save(out, format="png", optimize=True)
+    return atomic_write_bytes(path, out.getvalue())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=OUT, help="folder for the PNGs")
+    parser.add_argument("--only", nargs="*", choices=sorted(FIGURES), help="make only these")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.only or sorted(FIGURES):
+        path = save_png(FIGURES[name](), args.out / f"{name}.png")
+        print(f"{path} ({path.stat().st_size // 1024} KB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
