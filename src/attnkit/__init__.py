@@ -17,6 +17,7 @@ from attnkit.blocks import (
 from attnkit.functional import scaled_dot_product_attention
 from attnkit.positional import (
     LearnedPositionalEmbedding,
+    RelativePositionAttention,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
     alibi_bias,
@@ -31,6 +32,7 @@ __all__ = [
     "KVCache",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
+    "RelativePositionAttention",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "TransformerBlock",
