@@ -14,6 +14,7 @@ from attnkit.blocks import (
     TransformerDecoder,
     TransformerEncoder,
 )
+from attnkit.debug import inspect_attention
 from attnkit.functional import scaled_dot_product_attention
 from attnkit.positional import (
     LearnedPositionalEmbedding,
@@ -44,6 +45,7 @@ __all__ = [
     "alibi_fn",
     "alibi_slopes",
     "available_backends",
+    "inspect_attention",
     "masks",
     "register_backend",
     "scaled_dot_product_attention",
