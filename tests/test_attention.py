@@ -47,6 +47,26 @@ def test_self_attention_equals_torch_with_masks(bias: bool) -> None:
     torch.testing.assert_close(out_fast, ref_out, atol=1e-10, rtol=0)
 
 
+def test_per_head_and_float_attn_masks_equal_torch() -> None:
+    e, h, b, n = 16, 4, 2, 5
+    ref = _torch_mha(e, h)
+    mha = MultiHeadAttention.from_torch(ref)
+    x = torch.randn(b, n, e, dtype=D64)
+    torch.manual_seed(3)
+    blocked = torch.rand(b * h, n, n) < 0.4  # torch: (b * h, i, j), True = not allowed
+    blocked[:, :, 0] = False  # keep one key per row: torch would give NaN rows otherwise
+    ref_out, ref_w = ref(x, x, x, attn_mask=blocked, average_attn_weights=False)
+    ours = masks.from_torch(blocked).view(b, h, n, n)  # (b * h, i, j) -> (b, h, i, j)
+    out, w = mha(x, mask=ours, need_weights=True)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+    torch.testing.assert_close(w, ref_w, atol=1e-10, rtol=0)
+    # torch's float mask: 0 = attend, -inf = blocked
+    float_mask = torch.zeros(n, n, dtype=D64).masked_fill(blocked[0], float("-inf"))
+    ref_out, _ = ref(x, x, x, attn_mask=float_mask)
+    out, _ = mha(x, mask=masks.from_torch(float_mask))
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+
+
 def test_cross_attention_kdim_vdim_equals_torch() -> None:
     e, h, b, i, j = 16, 2, 2, 5, 9  # key length differs from the query's (the brief's bug)
     ref = _torch_mha(e, h, kdim=6, vdim=10)

@@ -101,7 +101,9 @@ def test_feed_forward_bad_activation() -> None:
 CFG = TransformerConfig(embed_dim=16, num_heads=4, num_layers=2, vocab_size=23, ffn_dim=24)
 
 
-@pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope", "alibi", "none"])
+@pytest.mark.parametrize(
+    "positional", ["sinusoidal", "learned", "rope", "alibi", "relative", "none"]
+)
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_encoder_shapes_weights_and_padding(positional: str, norm_first: bool) -> None:
     cfg = dataclasses.replace(CFG, positional=positional, norm_first=norm_first)
@@ -139,7 +141,7 @@ def test_encoder_on_vectors_and_bad_inputs() -> None:
         TransformerConfig(embed_dim=8, num_heads=2, num_layers=1, positional="xyz")
 
 
-@pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope", "alibi"])
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope", "alibi", "relative"])
 def test_decoder_cache_equals_full_forward_and_is_causal(positional: str) -> None:
     cfg = dataclasses.replace(CFG, positional=positional, cross_attention=True, num_kv_heads=2)
     torch.manual_seed(0)

@@ -14,9 +14,11 @@ from attnkit.blocks import (
     TransformerDecoder,
     TransformerEncoder,
 )
+from attnkit.debug import inspect_attention
 from attnkit.functional import scaled_dot_product_attention
 from attnkit.positional import (
     LearnedPositionalEmbedding,
+    RelativePositionAttention,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
     alibi_bias,
@@ -31,6 +33,7 @@ __all__ = [
     "KVCache",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
+    "RelativePositionAttention",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "TransformerBlock",
@@ -42,6 +45,7 @@ __all__ = [
     "alibi_fn",
     "alibi_slopes",
     "available_backends",
+    "inspect_attention",
     "masks",
     "register_backend",
     "scaled_dot_product_attention",

@@ -351,6 +351,27 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)  # (b, h_kv, offset + j, d)
 
+        out, weights = self._attend(
+            q, k, v, mask=mask, is_causal=is_causal, need_weights=need_weights, bias=bias
+        )
+        out = out.transpose(1, 2).reshape(b, i, self.embed_dim)  # (b, i, h * d)
+        return self.out_proj(out), weights
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask: Tensor | MaskFn | None,
+        is_causal: bool,
+        need_weights: bool,
+        bias: Tensor | BiasFn | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention over heads: ``q (b, h, i, d)``, ``k, v (b, h_kv, j, d)`` -> ``(b, h, i, d)``.
+
+        The one place the math is called; subclasses (relative positions) override it.
+        """
         backend = "math" if need_weights and self.backend == "auto" else self.backend
         result = scaled_dot_product_attention(
             q,
@@ -363,9 +384,7 @@ class MultiHeadAttention(nn.Module):
             return_weights=need_weights,
             backend=backend,
         )
-        out, weights = result if isinstance(result, tuple) else (result, None)
-        out = out.transpose(1, 2).reshape(b, i, self.embed_dim)  # (b, i, h * d)
-        return self.out_proj(out), weights
+        return result if isinstance(result, tuple) else (result, None)
 
     @classmethod
     def from_torch(

@@ -37,6 +37,7 @@ from attnkit.attention import KVCache, MultiHeadAttention, QKTransform
 from attnkit.masks import BiasFn, MaskFn
 from attnkit.positional import (
     LearnedPositionalEmbedding,
+    RelativePositionAttention,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
     alibi_fn,
@@ -55,7 +56,7 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,  # exact (erf) GELU, as torch's "gelu" and BERT
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's approximation
 }
-POSITIONAL = ("sinusoidal", "learned", "rope", "alibi", "none")
+POSITIONAL = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 
 
 class FeedForward(nn.Module):
@@ -247,7 +248,9 @@ class TransformerConfig:
     ``vocab_size=None`` (encoder only) means the inputs are already vectors ``(b, i, e)`` (for
     example tabular features turned into tokens); otherwise they are token ids ``(b, i)``.
     ``positional`` is one of ``"sinusoidal"``, ``"learned"`` (needs ``max_len``), ``"rope"``,
-    ``"alibi"`` or ``"none"``. ``ffn_dim=None`` means ``4 * embed_dim``.
+    ``"alibi"``, ``"relative"`` (Shaw et al. 2018: every block's self-attention is a
+    ``RelativePositionAttention`` with distances clipped at ``max_distance``) or ``"none"``.
+    ``ffn_dim=None`` means ``4 * embed_dim``.
     ``gradient_checkpointing`` recomputes each block in the backward pass instead of storing its
     activations (training only; ``torch.utils.checkpoint`` with ``use_reentrant=False``).
     ``cross_attention`` gives decoder blocks a cross-attention over an encoder's memory.
@@ -268,9 +271,10 @@ class TransformerConfig:
     cross_attention: bool = False
     gradient_checkpointing: bool = False
     backend: str = "auto"
+    max_distance: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("embed_dim", "num_heads", "num_layers", "max_len"):
+        for name in ("embed_dim", "num_heads", "num_layers", "max_len", "max_distance"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -322,6 +326,15 @@ class _Stack(nn.Module):
             )
             for _ in range(c.num_layers)
         )
+        if c.positional == "relative":
+            for block in self.blocks:
+                block.attn = RelativePositionAttention(
+                    c.embed_dim,
+                    c.num_heads,
+                    max_distance=c.max_distance,
+                    num_kv_heads=c.num_kv_heads,
+                    dropout=c.dropout,
+                )
         # A post-norm block already ends in a norm; a pre-norm stack needs one at the end.
         self.norm = nn.LayerNorm(c.embed_dim, eps=c.eps) if c.norm_first else None
         if self.embed is not None:

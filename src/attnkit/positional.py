@@ -15,13 +15,19 @@ How each scheme composes with ``attnkit.MultiHeadAttention``:
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit.masks import BiasFn
+from attnkit.attention import MultiHeadAttention
+from attnkit.functional import scaled_dot_product_attention
+from attnkit.masks import BiasFn, MaskFn, materialize
 
 __all__ = [
     "LearnedPositionalEmbedding",
+    "RelativePositionAttention",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "alibi_bias",
@@ -219,3 +225,103 @@ def alibi_bias(
     j = torch.arange(n_keys, device=device).view(1, -1)  # (1, j)
     distance = (i + offset - j).abs().to(dtype)  # (i, j)
     return (-slopes.view(-1, 1, 1) * distance).unsqueeze(0)  # (1, h, i, j)
+
+
+class RelativePositionAttention(MultiHeadAttention):
+    """Self-attention with relative position representations (Shaw et al. 2018, section 3).
+
+    Each clipped distance ``r = clip(j - i, -max_distance, max_distance)`` between a query and a
+    key has two learned vectors of width ``d``, shared by all heads (section 3.1):
+    ``a^K_r`` enters the scores and ``a^V_r`` the weighted sum (equations 3 and 4)::
+
+        e_ij = q_i . (k_j + a^K_ij) / sqrt(d)        z_i = sum_j alpha_ij (v_j + a^V_ij)
+
+    How it is computed, and why not in one call: the key term is a score bias,
+    ``q_i . a^K_ij / sqrt(d)``, so it goes through ``scaled_dot_product_attention`` as ``bias=``
+    (the reference math then does scale, mask, softmax and fully-masked rows). The value term
+    changes the weighted sum itself (``a^V_ij`` depends on both ``i`` and ``j``), which no fused
+    kernel computes, so the module asks the math for the weights ``alpha`` and forms both sums
+    here: ``alpha @ V`` and, by summing ``alpha`` into its ``2 * max_distance + 1`` distance
+    buckets, ``buckets @ a^V``. Dropout is applied to ``alpha`` once, before both sums.
+
+    Positions: query ``t`` sits at key position ``t + (j - i)`` (bottom-right, as ``is_causal``
+    and the KV cache), so token-by-token decoding with a cache matches the full forward.
+
+    Parameters: those of ``MultiHeadAttention`` plus ``rel_key`` and ``rel_value``, each
+    ``(2 * max_distance + 1, d)``, row ``r + max_distance`` for distance ``r``, initialised
+    ``N(0, 1/d)`` so the key term starts on the scale of ``q . k``. A ``bias=`` given to
+    ``forward`` is added to the relative key term.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        max_distance: int,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+    ) -> None:
+        if not isinstance(max_distance, int) or isinstance(max_distance, bool) or max_distance < 0:
+            raise ValueError(f"max_distance must be a non-negative int, got {max_distance!r}")
+        super().__init__(
+            embed_dim,
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            bias=bias,
+            dropout=dropout,
+            backend="math",
+        )
+        self.max_distance = max_distance
+        self.rel_key = nn.Parameter(torch.empty(2 * max_distance + 1, self.head_dim))
+        self.rel_value = nn.Parameter(torch.empty(2 * max_distance + 1, self.head_dim))
+        self._reset_relative()
+
+    def _reset_relative(self) -> None:
+        nn.init.normal_(self.rel_key, std=self.head_dim**-0.5)
+        nn.init.normal_(self.rel_value, std=self.head_dim**-0.5)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", max_distance={self.max_distance}"
+
+    def relative_index(self, n_queries: int, n_keys: int, device=None) -> Tensor:
+        """Bucket ``clip(j - i) + max_distance`` of every query/key pair, ``(i, j)`` int64."""
+        offset = n_keys - n_queries  # query t sits at key position t + offset
+        i = torch.arange(n_queries, device=device).view(-1, 1) + offset  # (i, 1)
+        j = torch.arange(n_keys, device=device).view(1, -1)  # (1, j)
+        k = self.max_distance
+        return (j - i).clamp(-k, k) + k  # (i, j)
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask: Tensor | MaskFn | None,
+        is_causal: bool,
+        need_weights: bool,
+        bias: Tensor | BiasFn | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        b, h, i, d = q.shape
+        h_kv, j = k.shape[1], k.shape[2]
+        compute = torch.promote_types(q.dtype, torch.float32)
+        idx = self.relative_index(i, j, q.device).expand(b, h, i, j)  # (b, h, i, j)
+        rel_scores = q.to(compute) @ self.rel_key.to(compute).T  # (b, h, i, 2k+1)
+        key_term = rel_scores.gather(-1, idx) / math.sqrt(d)  # (b, h, i, j)
+        if bias is not None:
+            if callable(bias):
+                bias = materialize(bias, (b, h, i, j), device=q.device)
+            key_term = key_term + bias
+        _, weights = scaled_dot_product_attention(
+            q, k, v, mask, bias=key_term, is_causal=is_causal, return_weights=True, backend="math"
+        )
+        weights = weights.to(compute)  # (b, h, i, j), rows sum to 1 (0 when fully masked)
+        dropped = F.dropout(weights, self.dropout, self.training)
+        grouped = dropped.unflatten(1, (h_kv, h // h_kv))  # (b, h_kv, g, i, j)
+        out = (grouped @ v.to(compute).unsqueeze(2)).flatten(1, 2)  # (b, h, i, d)
+        buckets = dropped.new_zeros(b, h, i, 2 * self.max_distance + 1)
+        buckets.scatter_add_(-1, idx, dropped)  # (b, h, i, 2k+1): weight per clipped distance
+        out = out + buckets @ self.rel_value.to(compute)  # (b, h, i, d)
+        return out.to(q.dtype), (weights.to(q.dtype) if need_weights else None)
