@@ -3,7 +3,10 @@
 See ``registry.py`` for the contract. The reference math lives in ``attnkit.functional``.
 """
 
-from attnkit.backends import torch_sdpa  # noqa: F401  (registers "torch")
+from attnkit.backends import (
+    tiled,  # noqa: F401  (registers "tiled")
+    torch_sdpa,  # noqa: F401  (registers "torch")
+)
 from attnkit.backends.registry import (
     AUTO_ORDER,
     AttentionCall,
