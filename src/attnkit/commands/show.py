@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     text = args.text
     if not text.strip():
         raise ValueError('TEXT is empty; give a sentence, e.g. attnkit show "The cat sat."')
-    out = Path(args.out)
+    out = check_writable(args.out)  # fail before loading the model
     if out.suffix.lower() not in PICTURES + PAGES:
         raise ValueError(
             f"--out {args.out!r}: unknown kind of file; use .html (explorer), .png or .svg"
@@ -144,7 +144,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--head needs --layer for a picture (which layer's head?)")
     if args.top < 0:
         raise ValueError(f"--top must be 0 or more, got {args.top}")
-    check_writable(out)  # fail before loading the model
 
     attention, tokens = encode(text)
     n_layers, n_heads = attention.shape[:2]

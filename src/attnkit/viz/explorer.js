@@ -1,6 +1,6 @@
 /* attnkit attention explorer: draws the data in each .attnkit-explorer element.
  *
- * Data (a <script type="application/json" class="ak-data"> inside the element):
+ * Data (the JSON element of class ak-data inside each explorer element):
  *   layers L, heads H, nq I (queries), nk J (keys), queryTokens[I], keyTokens[J],
  *   weights: base64 float32, row-major (L, H, I, J); rollout: null or base64 (L, I, I);
  *   layer, head: what to show first.

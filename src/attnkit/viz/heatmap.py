@@ -116,7 +116,8 @@ def _default_size(q_tokens: list[str], k_tokens: list[str]) -> tuple[float, floa
 
     width = j * cell + label(q_tokens) + 1.6
     height = i * cell + label(k_tokens) + 0.7
-    return (min(18.0, max(3.5, width)), min(18.0, max(3.0, height)))
+    # Whole tenths of an inch: whole pixels at the usual dpi values.
+    return (round(min(18.0, max(3.5, width)), 1), round(min(18.0, max(3.0, height)), 1))
 
 
 def plot_attention(
