@@ -81,34 +81,38 @@ def fig_worked_example() -> Any:
 def fig_positions() -> Any:
     """What each positional scheme does to the scores between positions p (query) and s (key)."""
     n, e, d = 40, 64, 64
-    fig = _figure(10.5, 3.3)
-    axes = fig.subplots(1, 3)
+    fig = _figure(13.0, 3.4)
+    axes = fig.subplots(1, 4)
+
+    def show(ax: Any, values: torch.Tensor, title: str, cmap: str = "RdBu_r") -> None:
+        values = values.detach()
+        lim = float(values.abs().max())
+        vmin, vmax = (-lim, lim) if cmap == "RdBu_r" else (None, None)
+        im = ax.imshow(values.numpy(), cmap=cmap, vmin=vmin, vmax=vmax)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("key position s", fontsize=8)
+        ax.set_ylabel("query position p", fontsize=8)
+        ax.tick_params(labelsize=7)
+        fig.colorbar(im, ax=ax, shrink=0.8)
 
     table = positional.sinusoidal_table(n, e)  # (n, e)
     sim = table @ table.T / (e / 2)  # (n, n): 1 on the diagonal (sin^2 + cos^2 = 1)
-    im = axes[0].imshow(sim.numpy(), cmap="RdBu_r", vmin=-1, vmax=1)
-    axes[0].set_title("sinusoidal: PE[p] . PE[s] / (e/2)\n(added to the inputs)", fontsize=9)
-    fig.colorbar(im, ax=axes[0], shrink=0.8)
+    show(axes[0], sim, "sinusoidal: PE[p] . PE[s] / (e/2)\n(added to the inputs)")
 
     torch.manual_seed(0)
     rope = positional.RotaryEmbedding(d)
     q = torch.randn(1, d).expand(n, d)  # the same query content at every position
     k = torch.randn(1, d).expand(n, d)  # the same key content at every position
     scores = rope.rotate(q) @ rope.rotate(k).T / math.sqrt(d)  # (n, n)
-    lim = float(scores.abs().max())
-    im = axes[1].imshow(scores.numpy(), cmap="RdBu_r", vmin=-lim, vmax=lim)
-    axes[1].set_title("RoPE: one q and one k at every position\nscore depends on s - p only",
-                      fontsize=9)
-    fig.colorbar(im, ax=axes[1], shrink=0.8)
+    show(axes[1], scores, "RoPE: the same q and k everywhere\nscore depends on s - p only")
+
+    shaw = positional.RelativePositionAttention(d, 1, max_distance=8)
+    idx = shaw.relative_index(n, n)  # (n, n): clipped distance bucket
+    key_term = (q @ shaw.rel_key.T).gather(-1, idx) / math.sqrt(d)  # (n, n): q . a^K / sqrt(d)
+    show(axes[2], key_term, "Shaw: q . a^K[clip(s - p, 8)] / sqrt(d)\n(learned: random here; flat beyond 8)")
 
     bias = positional.alibi_bias(8, n)[0, 0]  # (n, n), head 0: the steepest slope
-    im = axes[2].imshow(bias.numpy(), cmap="Blues_r")
-    axes[2].set_title("ALiBi head 0: bias -0.5 |p - s|\n(added to the scores)", fontsize=9)
-    fig.colorbar(im, ax=axes[2], shrink=0.8)
-    for ax in axes:
-        ax.set_xlabel("key position s", fontsize=8)
-        ax.set_ylabel("query position p", fontsize=8)
-        ax.tick_params(labelsize=7)
+    show(axes[3], bias, "ALiBi head 0: bias -0.5 |p - s|\n(added to the scores)", cmap="Blues_r")
     return fig
 
 
