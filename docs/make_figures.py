@@ -41,8 +41,15 @@ def _draw_mask(ax: Any, mask: torch.Tensor, title: str) -> None:
     ax.imshow(mask.float().numpy(), cmap="Blues", vmin=-0.3, vmax=1.3, interpolation="nearest")
     for q in range(i):
         for k in range(j):
-            ax.text(k, q, "1" if mask[q, k] else "0", ha="center", va="center", fontsize=8,
-                    color="white" if mask[q, k] else "0.45")
+            ax.text(
+                k,
+                q,
+                "1" if mask[q, k] else "0",
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white" if mask[q, k] else "0.45",
+            )
     ax.set_xticks(range(j))
     ax.set_yticks(range(i))
     ax.tick_params(labelsize=7, length=0)
@@ -59,7 +66,9 @@ def fig_masks() -> Any:
     """The mask conventions: causal alignments, a window, and rows with nothing to attend to."""
     fig = _figure(10.5, 2.6)
     axes = fig.subplots(1, 4, width_ratios=[6, 6, 6, 3])
-    _draw_mask(axes[0], masks.causal_mask(3, 6), "is_causal, 3 new queries\n3 cached keys (attnkit)")
+    _draw_mask(
+        axes[0], masks.causal_mask(3, 6), "is_causal, 3 new queries\n3 cached keys (attnkit)"
+    )
     _draw_mask(axes[1], masks.causal_mask(3, 6, align="top-left"), "top-left (torch's is_causal)")
     _draw_mask(axes[2], masks.sliding_window_mask(6, left=2), "sliding_window_mask(6, left=2)")
     _draw_mask(axes[3], masks.causal_mask(5, 3), "causal, 5 queries\n3 keys: empty rows")
@@ -73,8 +82,12 @@ def fig_worked_example() -> Any:
     v = torch.tensor([[0.5, 0.3], [0.8, 0.2], [0.1, 0.9]])
     _, weights = scaled_dot_product_attention(q, k, v, return_weights=True)
     return viz.plot_attention(
-        weights, ["q"], ["k1", "k2", "k3"],
-        title="weights = softmax(q k^T / sqrt(2))", figsize=(4.6, 1.7), dpi=DPI,
+        weights,
+        ["q"],
+        ["k1", "k2", "k3"],
+        title="weights = softmax(q k^T / sqrt(2))",
+        figsize=(4.6, 1.7),
+        dpi=DPI,
     )
 
 
@@ -109,7 +122,11 @@ def fig_positions() -> Any:
     shaw = positional.RelativePositionAttention(d, 1, max_distance=8)
     idx = shaw.relative_index(n, n)  # (n, n): clipped distance bucket
     key_term = (q @ shaw.rel_key.T).gather(-1, idx) / math.sqrt(d)  # (n, n): q . a^K / sqrt(d)
-    show(axes[2], key_term, "Shaw: q . a^K[clip(s - p, 8)] / sqrt(d)\n(learned: random here; flat beyond 8)")
+    show(
+        axes[2],
+        key_term,
+        "Shaw: q . a^K[clip(s - p, 8)] / sqrt(d)\n(learned: random here; flat beyond 8)",
+    )
 
     bias = positional.alibi_bias(8, n)[0, 0]  # (n, n), head 0: the steepest slope
     show(axes[3], bias, "ALiBi head 0: bias -0.5 |p - s|\n(added to the scores)", cmap="Blues_r")
@@ -125,8 +142,12 @@ def fig_alibi_heads() -> Any:
     )
     tokens = [str(p) for p in range(n)]
     return viz.plot_heads(
-        weights[0], tokens, title="ALiBi, causal, equal raw scores: weights of 8 heads",
-        ncols=4, figsize=(9.0, 4.6), dpi=DPI,
+        weights[0],
+        tokens,
+        title="ALiBi, causal, equal raw scores: weights of 8 heads",
+        ncols=4,
+        figsize=(9.0, 4.6),
+        dpi=DPI,
     )
 
 
@@ -146,15 +167,23 @@ def fig_tiling() -> Any:
     ax.imshow(kind.numpy(), cmap=ListedColormap(["0.93", "#f4b26b", "#4f7fbf"]), vmin=0, vmax=2)
     for q in range(n):
         for k in range(n):
-            ax.text(k, q, "1" if allowed[q, k] else "0", ha="center", va="center", fontsize=7,
-                    color="white" if kind[q, k] == 2 else "0.3")
+            ax.text(
+                k,
+                q,
+                "1" if allowed[q, k] else "0",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if kind[q, k] == 2 else "0.3",
+            )
     for x in range(t, n, t):
         ax.axhline(x - 0.5, color="black", linewidth=1.5)
         ax.axvline(x - 0.5, color="black", linewidth=1.5)
     ax.set_xticks([])
     ax.set_yticks([])
-    ax.set_xlabel("keys, in tiles of 4  (blue: no mask needed, orange: mask, grey: skipped)",
-                  fontsize=7)
+    ax.set_xlabel(
+        "keys, in tiles of 4  (blue: no mask needed, orange: mask, grey: skipped)", fontsize=7
+    )
     ax.set_ylabel("queries, in tiles of 4", fontsize=8)
     ax.set_title("Causal attention, 12 x 12, tiles of 4 x 4", fontsize=9)
     return fig

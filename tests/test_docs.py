@@ -48,3 +48,86 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _pages() -> list[Path]:
+    return sorted(DOCS.rglob("*.md"))
+
+
+def test_pitfall_tests_exist() -> None:
+    """Every `tests/x.py::name` a page cites (the pitfalls page cites many) is a real test."""
+    cited = 0
+    for page in _pages():
+        for path, name in re.findall(r"tests/([\w/]+\.py)::(\w+)", page.read_text("utf-8")):
+            source = DOCS.parent / "tests" / path
+            assert source.exists(), f"{page.name} cites tests/{path}, which does not exist"
+            assert re.search(rf"^\s*def {name}\(", source.read_text("utf-8"), flags=re.M), (
+                f"{page.name} cites tests/{path}::{name}, which is not a test function there"
+            )
+            cited += 1
+    pitfalls = (DOCS / "pitfalls.md").read_text("utf-8")
+    assert len(re.findall(r"tests/[\w/]+\.py::\w+", pitfalls)) >= 10
+    assert cited >= 10
+
+
+def _make_figures_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_figures", DOCS / "make_figures.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_picture_shown_is_made_by_the_script() -> None:
+    made = set(_make_figures_module().FIGURES)
+    shown = set()
+    for page in _pages():
+        for name in re.findall(
+            r"\(\.\./figures/([\w-]+)\.png\)|\(figures/([\w-]+)\.png\)", page.read_text("utf-8")
+        ):
+            shown.add(name[0] or name[1])
+    assert shown, "no page shows a figure"
+    assert shown <= made, f"pictures shown but not made by docs/make_figures.py: {shown - made}"
+    committed = {p.stem for p in (DOCS / "figures").glob("*.png")}
+    assert committed == made, "docs/figures/ is out of date: run docs/make_figures.py"
+    for png in (DOCS / "figures").glob("*.png"):
+        assert png.stat().st_size < 100_000, f"{png.name} is {png.stat().st_size} bytes"
+
+
+@pytest.mark.slow
+def test_make_figures_runs(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, str(DOCS / "make_figures.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    made = {p.stem for p in tmp_path.glob("*.png")}
+    assert made == set(_make_figures_module().FIGURES)
+    for png in tmp_path.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert 2_000 < png.stat().st_size < 100_000, f"{png.name}: {png.stat().st_size} bytes"
+
+
+def test_benchmark_sections_are_included_not_invented(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(
+        "# Benchmarks\n\n<!-- begin:x -->\n## Table\n| a |\n|---|\n| 1.5 |\n<!-- end:x -->\n"
+    )
+    page = "Intro\n\n<!-- include:benchmarks:x -->\n\n<!-- include:benchmarks:missing -->\n"
+    out = hooks.include_benchmarks(page, doc)
+    assert "### Table\n| a |\n|---|\n| 1.5 |" in out
+    assert "`missing` section of the benchmarks page has not been measured" in out
+    assert "<!-- include:" not in out
