@@ -4,6 +4,8 @@ See ``registry.py`` for the contract. The reference math lives in ``attnkit.func
 """
 
 from attnkit.backends import (
+    chunked,  # noqa: F401  (registers "chunked")
+    sparse,  # noqa: F401  (registers "sparse")
     tiled,  # noqa: F401  (registers "tiled")
     torch_sdpa,  # noqa: F401  (registers "torch")
 )

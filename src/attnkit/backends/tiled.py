@@ -59,10 +59,14 @@ from attnkit.backends.structure import all_of, key_ranges, tile_state
 from attnkit.masks import BiasFn, MaskFn, causal_fn
 
 __all__ = [
+    "BLOCK_K",
+    "BLOCK_Q",
     "backward_blocks",
     "forward_blocks",
     "merge",
+    "run_call",
     "tiled_attention",
+    "why_not",
 ]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
@@ -480,17 +484,22 @@ def tiled_attention(
     is_causal: bool = False,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    gather: bool = False,
 ) -> Tensor:
     """Differentiable tiled attention on 4-D inputs ``(b, h, i, d)``; see the module docstring.
 
     ``is_causal`` is aligned bottom-right (as ``scaled_dot_product_attention``). Gradients flow
-    to ``q``, ``k``, ``v`` and a ``bias`` tensor.
+    to ``q``, ``k``, ``v`` and a ``bias`` tensor. ``gather=True`` visits all the key ranges a
+    query block may see as one group (gathered when they are not contiguous): fewer, larger
+    matmuls for sparse layouts (the ``sparse`` backend).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if is_causal:
         mask_fn = all_of(mask_fn, causal_fn(k.shape[2] - q.shape[2]))
-    spec = _Spec(scale, _pad4(mask), mask_fn, None, bias_fn, block_q=block_q, block_k=block_k)
+    spec = _Spec(
+        scale, _pad4(mask), mask_fn, None, bias_fn, block_q=block_q, block_k=block_k, gather=gather
+    )
     return _TiledAttention.apply(q, k, v, _pad4(bias), spec)
 
 
@@ -531,32 +540,48 @@ def why_not(call: AttentionCall) -> str | None:
     return None
 
 
-def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-    reason = why_not(call)
-    if reason is not None:
-        raise BackendUnavailable(f"backend 'tiled' cannot serve this call: {reason}")
+def run_call(
+    call: AttentionCall,
+    *,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+    gather: bool = False,
+    extra_mask_fn: MaskFn | None = None,
+) -> Tensor:
+    """Serve an ``AttentionCall`` (any leading dims) with ``tiled_attention``; used by ``sparse``.
+
+    ``extra_mask_fn`` is ANDed with the call's mask (the sparse backend's layout).
+    """
     q, k, v = call.query, call.key, call.value
     ndim = q.ndim
-    if ndim > 4 and q.shape[:-3] != k.shape[:-3]:
-        raise ValueError(f"query and key leading dims differ: {tuple(q.shape)}, {tuple(k.shape)}")
     lead = tuple(q.shape[:-3])
     q4, k4, v4 = (_as4d(t, ndim, lead) for t in (q, k, v))
-    mask = call.mask if callable(call.mask) else None
-    mask_t = None if mask is not None or call.mask is None else _as4d(call.mask, ndim, lead)
+    mask_fn = all_of(call.mask if callable(call.mask) else None, extra_mask_fn)
+    mask_t = None if call.mask is None or callable(call.mask) else _as4d(call.mask, ndim, lead)
     bias_fn = call.bias if callable(call.bias) else None
-    bias_t = None if bias_fn is not None or call.bias is None else _as4d(call.bias, ndim, lead)
+    bias_t = None if call.bias is None or bias_fn is not None else _as4d(call.bias, ndim, lead)
     out = tiled_attention(
         q4,
         k4,
         v4,
         scale=call.scale,
         mask=mask_t,
-        mask_fn=mask,
+        mask_fn=mask_fn,
         bias=bias_t,
         bias_fn=bias_fn,
         is_causal=call.is_causal,
+        block_q=block_q,
+        block_k=block_k,
+        gather=gather,
     )
-    return out.reshape(*q.shape[:-1], v.shape[-1]), None
+    return out.reshape(*q.shape[:-1], v.shape[-1])
+
+
+def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    reason = why_not(call)
+    if reason is not None:
+        raise BackendUnavailable(f"backend 'tiled' cannot serve this call: {reason}")
+    return run_call(call), None
 
 
 register_backend(
@@ -564,4 +589,18 @@ register_backend(
     run,
     why_not,
     description="FlashAttention in PyTorch: online softmax over tiles, recomputing backward",
+)
+
+
+def _why_not_functions(call: AttentionCall) -> str | None:
+    if not (callable(call.mask) or callable(call.bias)):
+        return "auto's route for calls with a mask or bias function; this call has none"
+    return why_not(call)
+
+
+register_backend(
+    "tiled-functions",
+    run,
+    _why_not_functions,
+    description="the tiled backend, for auto: calls with mask or bias functions (see AUTO_ORDER)",
 )
