@@ -4,7 +4,7 @@ The public surface is re-exported here; everything else is reachable through its
 (``attnkit.masks``, ``attnkit.backends``, ...).
 """
 
-from attnkit import masks
+from attnkit import masks, models
 from attnkit.backends import available_backends, register_backend
 from attnkit.functional import scaled_dot_product_attention
 
@@ -14,6 +14,7 @@ __all__ = [
     "__version__",
     "available_backends",
     "masks",
+    "models",
     "register_backend",
     "scaled_dot_product_attention",
 ]
