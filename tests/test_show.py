@@ -186,3 +186,10 @@ def test_demo_step_writes_the_explorer(
     assert fake.texts == [demo.EXPLORER_SENTENCE]
     out = capsys.readouterr().out
     assert str(path) in out and "Strongest links" in out
+
+
+def test_html_starts_at_the_requested_layer_and_head(fake: FakeBert, tmp_path: Path) -> None:
+    out = tmp_path / "a.html"
+    assert main(["show", "a b c", "--layer", "2", "--head", "3", "--out", str(out)]) == 0
+    page = out.read_text(encoding="utf-8")
+    assert '"layer":2,"head":3' in page
