@@ -44,7 +44,9 @@ def load_model() -> Any:
 def encode(text: str) -> tuple[Any, list[str]]:
     """``(attention (l, h, i, i), tokens)`` of the bundled model for one text."""
     result = load_model().encode([text], need_weights=True)
-    return result.attentions[:, 0], list(result.tokens[0])  # (l, b, h, i, j) -> (l, h, i, j)
+    tokens = list(result.tokens[0])
+    n = len(tokens)  # real tokens; a batch of one has no padding, but slice to be sure
+    return result.attentions[:, 0, :, :n, :n], tokens  # (l, b, h, i, j) -> (l, h, i, j)
 
 
 def strongest_links(
