@@ -85,13 +85,15 @@ def strongest_links(
     order = torch.argsort(values, descending=True)[:top]
     width_q = max(len(tokens[q]) for q, _ in candidates.tolist())
     width_k = max(len(tokens[k]) for _, k in candidates.tolist())
+    digits = len(str(len(tokens) - 1))
     lines = [header]
     for idx in order.tolist():
         q, k = candidates[idx].tolist()
         w = float(values[idx])
+        # positions tell repeated words apart ("the" at 1 and at 5)
         lines.append(
-            f"  {tokens[q]:>{width_q}} -> {tokens[k]:<{width_k}}  {w:.3f}  "
-            + BAR * max(1, round(w * 20))
+            f"  {q:>{digits}} {tokens[q]:<{width_q}} -> {k:>{digits}} {tokens[k]:<{width_k}}"
+            f"  {w:.3f}  " + BAR * max(1, round(w * 20))
         )
     return "\n".join(lines)
 
