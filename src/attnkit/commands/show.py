@@ -120,6 +120,8 @@ def write_output(
             head=head or 0,
         )
         return explorer.save(out)
+    if len(text) > 60:  # a picture's title stays on one line
+        text = text[:59] + "…"
     if layer is not None and head is not None:
         fig = viz.plot_attention(
             attention[layer, head], tokens, title=f"Layer {layer}, head {head}: {text}"
