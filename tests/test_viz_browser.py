@@ -229,3 +229,21 @@ def test_minilm_sized_input_with_300_tokens(page: Page) -> None:
     canvas.hover(position={"x": 250.5 * box["width"] / 300, "y": 40.5 * box["height"] / 300})
     assert _weight(pg) == pytest.approx(att[3, 4, 40, 250].item(), rel=1e-6, abs=1e-12)
     page.assert_clean()
+
+
+@pytest.mark.slow
+def test_missing_chromium_fails_with_a_hint(tmp_path: Path) -> None:
+    # Without a browser these tests must fail (not skip) and say how to get one.
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ATTNKIT_CHROMIUM=str(tmp_path / "no-chromium"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "jupyter"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert "run `make test`" in done.stdout and "1 error" in done.stdout
