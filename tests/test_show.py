@@ -77,8 +77,8 @@ def test_html_explorer_and_strongest_links(
     mean = fake.attentions[-1, 0].mean(0).double()
     best = max(((q, k) for q in range(1, 7) for k in range(1, 7) if q != k), key=lambda p: mean[p])
     first = lines[2].split()
-    assert first[:3] == [tokens[best[0]], "->", tokens[best[1]]]
-    assert float(first[3]) == pytest.approx(mean[best].item(), abs=5e-4)
+    assert first[:5] == [str(best[0]), tokens[best[0]], "->", str(best[1]), tokens[best[1]]]
+    assert float(first[5]) == pytest.approx(mean[best].item(), abs=5e-4)
     assert len(lines) == 5  # header + top 3
 
 
@@ -90,8 +90,8 @@ def test_strongest_links_of_one_head() -> None:
     att[0, 1, 1, 1] = 0.95  # to itself: left out
     text = show.strongest_links(att, ["[CLS]", "b", "c", "[SEP]"], layer=0, head=1, top=5)
     assert text.splitlines()[1:] == [
-        "  b -> c  0.700  " + "█" * 14,
-        "  c -> b  0.200  " + "█" * 4,
+        "  1 b -> 2 c  0.700  " + "█" * 14,
+        "  2 c -> 1 b  0.200  " + "█" * 4,
     ]
     one_word = show.strongest_links(att, ["[CLS]", "b", "[SEP]", "[PAD]"], top=5)
     assert "(none" in one_word
@@ -186,3 +186,10 @@ def test_demo_step_writes_the_explorer(
     assert fake.texts == [demo.EXPLORER_SENTENCE]
     out = capsys.readouterr().out
     assert str(path) in out and "Strongest links" in out
+
+
+def test_html_starts_at_the_requested_layer_and_head(fake: FakeBert, tmp_path: Path) -> None:
+    out = tmp_path / "a.html"
+    assert main(["show", "a b c", "--layer", "2", "--head", "3", "--out", str(out)]) == 0
+    page = out.read_text(encoding="utf-8")
+    assert '"layer":2,"head":3' in page

@@ -207,3 +207,43 @@ def test_jupyter_repr_works_inside_its_iframe(page: Page) -> None:
     assert frame.locator(".ak-row-label").all_inner_texts() == ["a", "b", XSS, "d"]
     assert pg.locator("img").count() == 0 and frame.locator("img").count() == 0
     page.assert_clean()
+
+
+@pytest.mark.slow
+def test_minilm_sized_input_with_300_tokens(page: Page) -> None:
+    # The bundled MiniLM's shape (6 layers x 12 heads) over 300 tokens: the page loads, switches
+    # heads and answers hovers (canvas heat map, 72 thumbnails, thousands of lines).
+    att = _attention(6, 12, 300, 300, seed=2)
+    tokens = [f"w{n}" for n in range(300)]
+    pg = page.open(AttentionExplorer(att, tokens))
+    assert pg.locator(".ak-thumb").count() == 72
+    pg.select_option(".ak-layer", "5")
+    pg.select_option(".ak-head", "11")
+    pg.hover(".ak-col-q .ak-ltok[data-q='17']")
+    weights = [float(t) for t in pg.locator(".ak-readout .ak-weight").all_inner_texts()]
+    assert weights == pytest.approx(sorted(att[5, 11, 17].tolist(), reverse=True)[:3], rel=1e-6)
+    pg.click(".ak-thumb[data-layer='3'][data-head='4']")
+    canvas = pg.locator(".ak-matrix-canvas")
+    canvas.scroll_into_view_if_needed()
+    box = canvas.bounding_box()
+    canvas.hover(position={"x": 250.5 * box["width"] / 300, "y": 40.5 * box["height"] / 300})
+    assert _weight(pg) == pytest.approx(att[3, 4, 40, 250].item(), rel=1e-6, abs=1e-12)
+    page.assert_clean()
+
+
+@pytest.mark.slow
+def test_missing_chromium_fails_with_a_hint(tmp_path: Path) -> None:
+    # Without a browser these tests must fail (not skip) and say how to get one.
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ATTNKIT_CHROMIUM=str(tmp_path / "no-chromium"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "jupyter"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert "run `make test`" in done.stdout and "1 error" in done.stdout
