@@ -57,8 +57,8 @@ def scaled_dot_product_attention(
 
     Args:
         query: ``(..., h, i, d)``; any number of leading dims (a head axis is optional).
-        key: ``(..., h_kv, j, d)``. ``h_kv`` may divide ``h`` (grouped-query attention); ``j`` may
-            differ from ``i``.
+        key: ``(..., h_kv, j, d)``. ``h_kv`` may divide ``h`` (grouped-query attention, for
+            4-D inputs); ``j`` may differ from ``i``.
         value: ``(..., h_kv, j, dv)``; ``dv`` may differ from ``d``.
         mask: bool, ``True`` = may attend, broadcastable to ``(..., h, i, j)``; or a mask function
             ``fn(b, h, i, j) -> bool`` (4-D inputs only). See ``attnkit.masks``.
@@ -142,9 +142,12 @@ def make_call(
         raise ValueError(f"key and value must have the same leading dims; got {shapes}")
     if query.ndim != key.ndim:
         raise ValueError(f"query and key must have the same number of dims; got {shapes}")
-    if query.shape[:-3] != key.shape[:-3]:
+    if query.ndim < 4 and query.shape[:-2] != key.shape[:-2]:
         raise ValueError(f"query and key must have the same batch dims; got {shapes}")
-    if query.ndim >= 3:
+    if query.ndim >= 4:
+        # Grouped-query attention: dim -3 is the head axis; key/value heads may divide query heads.
+        if query.shape[:-3] != key.shape[:-3]:
+            raise ValueError(f"query and key must have the same batch dims; got {shapes}")
         h, h_kv = query.shape[-3], key.shape[-3]
         if h_kv == 0 or h % h_kv != 0:
             raise ValueError(
@@ -216,8 +219,11 @@ def _check_broadcast(name: str, t: Tensor, score_shape: tuple[int, ...]) -> None
 
 
 def _grouped(t: Tensor, ndim: int, h_kv: int, g: int) -> Tensor:
-    """View a tensor broadcastable to ``(..., h, i, j)`` as ``(..., h_kv, g, i, j)``, no copy."""
-    t = t.reshape((1,) * (ndim - t.ndim) + tuple(t.shape))  # pad to the scores' rank
+    """View a tensor broadcastable to ``(..., h, i, j)`` as ``(..., h_kv, g, i, j)``, no copy.
+
+    ``ndim`` is the rank of the grouped scores (one more than the scores' rank).
+    """
+    t = t.reshape((1,) * (ndim - 1 - t.ndim) + tuple(t.shape))  # pad to the scores' rank
     if t.shape[-3] == 1:
         return t.unsqueeze(-3)  # (..., 1, 1, i, j)
     return t.unflatten(-3, (h_kv, g))  # (..., h_kv, g, i, j)
@@ -234,7 +240,7 @@ def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         # Grouped-query attention: each key/value head serves g query heads. Broadcasting a
         # singleton axis shares K and V between the group without copying them per head.
         h_kv = k.shape[-3]
-        ndim = q.ndim + 1
+        ndim = q.ndim  # the scores' rank before grouping
         q = q.unflatten(-3, (h_kv, g))  # (..., h_kv, g, i, d)
         k = k.unsqueeze(-3)  # (..., h_kv, 1, j, d)
         v = v.unsqueeze(-3)  # (..., h_kv, 1, j, dv)

@@ -41,9 +41,10 @@ class AttentionCall:
     """The validated arguments of one attention call (see ``scaled_dot_product_attention``).
 
     Shapes: ``query (..., h, i, d)``, ``key (..., h_kv, j, d)``, ``value (..., h_kv, j, dv)``
-    with ``h_kv`` dividing ``h`` (grouped-query attention when they differ; inputs without a head
-    axis have ``h = h_kv``). ``mask`` is a bool tensor broadcastable to ``(..., h, i, j)`` or a mask
-    function; ``bias`` a float tensor or a bias function. ``is_causal`` is aligned bottom-right.
+    with ``h_kv`` dividing ``h`` (grouped-query attention when they differ, for inputs of 4 or
+    more dims; inputs with fewer dims have no head axis). ``mask`` is a bool tensor broadcastable
+    to ``(..., h, i, j)`` or a mask function; ``bias`` a float tensor or a bias function.
+    ``is_causal`` is aligned bottom-right.
     """
 
     query: Tensor
@@ -68,7 +69,7 @@ class AttentionCall:
     @property
     def groups(self) -> int:
         """Query heads per key/value head: 1 for ordinary attention, ``h`` for multi-query."""
-        if self.query.ndim < 3:
+        if self.query.ndim < 4:  # no (b, h, ...) head axis
             return 1
         return self.query.shape[-3] // self.key.shape[-3]
 

@@ -1,0 +1,320 @@
+"""The reference attention against torch's kernel, float64 references and hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attnkit import masks, scaled_dot_product_attention
+from attnkit.backends import BackendUnavailable, select_backend
+from attnkit.functional import make_call
+
+sdpa = scaled_dot_product_attention
+F64 = torch.float64
+
+
+def rand(*shape: int, dtype: torch.dtype = F64, seed: int | None = None) -> torch.Tensor:
+    g = None if seed is None else torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, dtype=dtype, generator=g)
+
+
+def torch_oracle(q, k, v, mask=None, bias=None, is_causal=False, scale=None):
+    """torch's own kernel with our conventions spelled out: bottom-right causal, bias + mask."""
+    i, j = q.shape[-2], k.shape[-2]
+    allowed = mask
+    if is_causal:
+        causal = masks.causal_mask(i, j)
+        allowed = causal if allowed is None else allowed & causal
+    attn_mask = allowed
+    if bias is not None:
+        attn_mask = bias if allowed is None else bias.masked_fill(~allowed, -math.inf)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+    if allowed is not None:  # rows with no key: zeros by our definition
+        out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+    return out
+
+
+def test_worked_example_from_the_brief() -> None:
+    q = torch.tensor([[1.0, 2.0]])
+    k = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    v = torch.tensor([[0.5, 0.3], [0.8, 0.2], [0.1, 0.9]])
+    out, w = sdpa(q, k, v, return_weights=True)
+    assert torch.allclose(w, torch.tensor([[0.140, 0.284, 0.576]]), atol=5e-4)
+    assert torch.allclose(out, torch.tensor([[0.355, 0.617]]), atol=5e-4)
+    # by hand: scores [1, 2, 3] / sqrt(2), softmax, weighted sum
+    s = torch.tensor([1.0, 2.0, 3.0], dtype=F64) / math.sqrt(2)
+    w_hand = torch.exp(s) / torch.exp(s).sum()
+    assert torch.allclose(w[0].double(), w_hand, atol=1e-6)
+
+
+LENGTHS = st.sampled_from([1, 2, 7, 16, 97, 257])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    b=st.integers(1, 2),
+    h=st.integers(1, 3),
+    i=LENGTHS,
+    j=LENGTHS,
+    d=st.sampled_from([1, 3, 8, 16]),
+    dv=st.sampled_from([1, 5, 8]),
+    mask_kind=st.sampled_from(["none", "random", "padding", "per_head"]),
+    is_causal=st.booleans(),
+    use_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_math_and_auto_agree_with_torch_in_float64(
+    b, h, i, j, d, dv, mask_kind, is_causal, use_bias, seed
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, i, d, dtype=F64, generator=g)
+    k = torch.randn(b, h, j, d, dtype=F64, generator=g)
+    v = torch.randn(b, h, j, dv, dtype=F64, generator=g)
+    mask = None
+    if mask_kind == "random":
+        mask = torch.rand(b, 1, i, j, generator=g) > 0.3
+    elif mask_kind == "padding":
+        lengths = torch.randint(0, j + 1, (b,), generator=g)
+        mask = masks.padding_mask(lengths, max_len=j)
+    elif mask_kind == "per_head":
+        mask = torch.rand(b, h, i, j, generator=g) > 0.5
+    bias = torch.randn(1, h, i, j, dtype=F64, generator=g) if use_bias else None
+    expected = torch_oracle(q, k, v, mask, bias, is_causal)
+    for backend in ("math", "auto", "torch"):
+        got = sdpa(q, k, v, mask, bias=bias, is_causal=is_causal, backend=backend)
+        assert got.shape == (b, h, i, dv)
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=0)
+
+
+def test_weights_rows_sum_to_one_and_match_softmax() -> None:
+    q, k, v = rand(2, 3, 7, 8, seed=1), rand(2, 3, 9, 8, seed=2), rand(2, 3, 9, 4, seed=3)
+    out, w = sdpa(q, k, v, return_weights=True)
+    assert w.shape == (2, 3, 7, 9)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 3, 7, dtype=F64))
+    torch.testing.assert_close(w, torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(8), -1))
+    torch.testing.assert_close(out, w @ v)
+
+
+@pytest.mark.parametrize("shape_q", [(5, 4), (3, 5, 4), (2, 3, 2, 5, 4)])
+def test_any_number_of_leading_dims(shape_q) -> None:
+    q = rand(*shape_q, seed=0)
+    k = rand(*shape_q[:-2], 6, 4, seed=1)
+    v = rand(*shape_q[:-2], 6, 3, seed=2)
+    got = sdpa(q, k, v)
+    flat = torch_oracle(q.reshape(-1, 5, 4), k.reshape(-1, 6, 4), v.reshape(-1, 6, 3))
+    torch.testing.assert_close(got.reshape(-1, 5, 3), flat, atol=1e-12, rtol=0)
+
+
+def test_causal_is_bottom_right_aligned() -> None:
+    # i = 2, j = 5: the last query sees all keys, the first sees keys 0..3
+    q, k, v = rand(1, 2, 4, seed=0), rand(1, 5, 4, seed=1), rand(1, 5, 3, seed=2)
+    _, w = sdpa(q, k, v, is_causal=True, return_weights=True)
+    expected = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(w[0] > 0, expected)
+    # with more queries than keys the first rows see nothing: zeros, not NaN
+    out, w = sdpa(rand(1, 4, 4, seed=3), k[:, :2], v[:, :2], is_causal=True, return_weights=True)
+    assert torch.equal(out[0, :2], torch.zeros(2, 3, dtype=F64))
+    assert torch.equal(w[0, :2], torch.zeros(2, 2, dtype=F64))
+
+
+def test_mask_and_is_causal_both_apply() -> None:
+    q, k, v = rand(1, 1, 6, 4, seed=0), rand(1, 1, 6, 4, seed=1), rand(1, 1, 6, 2, seed=2)
+    keep_even = (torch.arange(6) % 2 == 0).view(1, 1, 1, 6)
+    _, w = sdpa(q, k, v, keep_even, is_causal=True, return_weights=True)
+    allowed = keep_even & masks.causal_mask(6)
+    assert torch.equal(w > 0, allowed.expand_as(w))
+
+
+@pytest.mark.parametrize("backend", ["math", "torch", "auto"])
+def test_fully_masked_rows_give_zeros_and_finite_gradients(backend) -> None:
+    q = rand(2, 2, 5, 8, seed=0).requires_grad_()
+    k = rand(2, 2, 6, 8, seed=1).requires_grad_()
+    v = rand(2, 2, 6, 3, seed=2).requires_grad_()
+    mask = torch.rand(2, 2, 5, 6, generator=torch.Generator().manual_seed(0)) > 0.4
+    mask[0, 1, 2] = False  # one fully masked row
+    mask[1, :, 4] = False
+    out = sdpa(q, k, v, mask, backend=backend)
+    assert torch.equal(out[0, 1, 2], torch.zeros(3, dtype=F64))
+    assert torch.equal(out[1, :, 4], torch.zeros(2, 3, dtype=F64))
+    out.square().sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[0, 1, 2], torch.zeros(8, dtype=F64))  # nothing flows from nowhere
+    if backend == "math":
+        _, w = sdpa(q, k, v, mask, return_weights=True)
+        assert torch.equal(w[0, 1, 2], torch.zeros(6, dtype=F64))
+        torch.testing.assert_close(w[0, 1, 1].sum(), torch.tensor(1.0, dtype=F64))
+
+
+def test_gradcheck_math_path_with_mask_bias_and_empty_row() -> None:
+    q = rand(1, 2, 4, 3, seed=0).requires_grad_()
+    k = rand(1, 2, 5, 3, seed=1).requires_grad_()
+    v = rand(1, 2, 5, 2, seed=2).requires_grad_()
+    bias = rand(1, 2, 4, 5, seed=3).requires_grad_()
+    mask = torch.ones(1, 1, 4, 5, dtype=torch.bool)
+    mask[..., 1, :] = False
+    mask[..., 2, 3:] = False
+
+    def fn(q, k, v, bias):
+        return sdpa(q, k, v, mask, bias=bias, is_causal=True, backend="math")
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, bias))
+    assert torch.autograd.gradgradcheck(fn, (q, k, v, bias))
+
+
+def test_large_logits_are_stable() -> None:
+    q = rand(2, 2, 7, 16, seed=0) * 1e2
+    k = rand(2, 2, 9, 16, seed=1) * 1e2  # scores around 1e4
+    v = rand(2, 2, 9, 4, seed=2)
+    expected = torch_oracle(q, k, v)
+    for backend in ("math", "torch"):
+        got = sdpa(q.float(), k.float(), v.float(), backend=backend)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=0)
+    _, w = sdpa(q.float(), k.float(), v.float(), return_weights=True)
+    assert torch.isfinite(w).all()
+
+
+def naive_attention(q, k, v, mask=None):
+    """The plain PyTorch path in the inputs' own precision (the brief's formula)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(q.dtype).min)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale_logits", [1.0, 8.0])
+def test_half_precision_error_at_most_twice_the_plain_path(dtype, scale_logits) -> None:
+    q = rand(2, 4, 97, 32, seed=0) * scale_logits
+    k = rand(2, 4, 97, 32, seed=1)
+    v = rand(2, 4, 97, 32, seed=2)
+    mask = masks.causal_mask(97)
+    reference = torch_oracle(q, k, v, mask)
+    lo = [t.to(dtype) for t in (q, k, v)]
+    plain_err = (naive_attention(*lo, mask).double() - reference).abs().max()
+    for backend in ("math", "torch"):
+        got = sdpa(*lo, mask, backend=backend)
+        assert got.dtype == dtype
+        err = (got.double() - reference).abs().max()
+        assert err <= 2 * plain_err, (backend, float(err), float(plain_err))
+
+
+def test_gqa_equals_repeated_heads() -> None:
+    q, k, v = rand(2, 6, 7, 8, seed=0), rand(2, 2, 9, 8, seed=1), rand(2, 2, 9, 5, seed=2)
+    mask = torch.rand(2, 6, 7, 9, generator=torch.Generator().manual_seed(1)) > 0.3
+    bias = rand(1, 6, 7, 9, seed=3)
+    expected, w_exp = sdpa(
+        q,
+        k.repeat_interleave(3, 1),
+        v.repeat_interleave(3, 1),
+        mask,
+        bias=bias,
+        return_weights=True,
+    )
+    got, w = sdpa(q, k, v, mask, bias=bias, return_weights=True)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(w, w_exp, atol=1e-12, rtol=0)
+    torch.testing.assert_close(sdpa(q, k, v, mask, backend="torch"), sdpa(q, k, v, mask))
+
+
+def test_bias_function_equals_bias_tensor() -> None:
+    q, k, v = rand(2, 3, 7, 8, seed=0), rand(2, 3, 9, 8, seed=1), rand(2, 3, 9, 4, seed=2)
+
+    def distance_bias(b, h, i, j):
+        return -0.1 * (h + 1) * (i - j).abs().to(F64)
+
+    dense = masks.materialize(distance_bias, (2, 3, 7, 9))
+    window = masks.window_fn(2, 1)
+    dense_window = masks.materialize(window, (2, 3, 7, 9))
+    expected = torch_oracle(q, k, v, dense_window, dense)
+    for backend in ("math", "torch"):
+        got = sdpa(q, k, v, window, bias=distance_bias, backend=backend)
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=0)
+
+
+def test_dropout_is_reproducible_and_matches_its_definition() -> None:
+    q, k, v = rand(2, 2, 6, 4, seed=0), rand(2, 2, 6, 4, seed=1), rand(2, 2, 6, 3, seed=2)
+    p = 0.3
+    a = sdpa(q, k, v, dropout_p=p, generator=torch.Generator().manual_seed(7))
+    b = sdpa(q, k, v, dropout_p=p, generator=torch.Generator().manual_seed(7))
+    c = sdpa(q, k, v, dropout_p=p, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # the definition: drop weights with probability p, scale survivors by 1 / (1 - p)
+    w = torch.softmax(q @ k.transpose(-2, -1) / 2.0, -1)
+    keep = torch.rand(w.shape, generator=torch.Generator().manual_seed(7), dtype=F64) >= p
+    torch.testing.assert_close(a, (w * keep / (1 - p)) @ v)
+    # weights returned are the attention distribution, before dropout
+    _, weights = sdpa(q, k, v, dropout_p=p, return_weights=True)
+    torch.testing.assert_close(weights, w)
+    assert torch.equal(sdpa(q, k, v, dropout_p=0.0), sdpa(q, k, v))
+
+
+def test_auto_picks_the_fused_kernel_when_it_can() -> None:
+    q = rand(1, 2, 4, 8)
+
+    def chosen(**kw) -> str:
+        return select_backend("auto", make_call(q, q, q, **kw)).name
+
+    assert chosen() == "torch"
+    assert chosen(mask=masks.causal_mask(4)) == "torch"
+    assert chosen(return_weights=True) == "math"
+    assert chosen(dropout_p=0.1, generator=torch.Generator()) == "math"
+
+
+def test_a_backend_that_cannot_serve_says_why() -> None:
+    q = rand(1, 2, 4, 8)
+    with pytest.raises(BackendUnavailable, match="does not return the attention weights"):
+        sdpa(q, q, q, return_weights=True, backend="torch")
+    with pytest.raises(BackendUnavailable, match="generator"):
+        sdpa(q, q, q, dropout_p=0.5, generator=torch.Generator(), backend="torch")
+
+
+BAD_INPUTS = [
+    # (description, kwargs overrides, exception, message pattern)
+    ("d mismatch", dict(key=rand(2, 5, 7)), ValueError, r"same last dim d.*query \(2, 4, 8\)"),
+    ("j mismatch", dict(value=rand(2, 6, 3)), ValueError, r"same length j.*key \(2, 5, 8\)"),
+    (
+        "mask shape",
+        dict(mask=torch.ones(3, 4, 5, dtype=torch.bool)),
+        ValueError,
+        r"mask of shape \(3, 4, 5\) does not broadcast.*\(2, 4, 5\)",
+    ),
+    (
+        "integer query",
+        dict(query=torch.ones(2, 4, 8, dtype=torch.long)),
+        TypeError,
+        r"query must be a floating-point tensor, got dtype torch.int64",
+    ),
+    ("float mask", dict(mask=torch.ones(2, 4, 5)), TypeError, r"mask must be a bool tensor"),
+    ("dropout 1", dict(dropout_p=1.0), ValueError, r"dropout_p must be a float in \[0, 1\)"),
+    ("dropout neg", dict(dropout_p=-0.1), ValueError, r"dropout_p"),
+    ("backend", dict(backend="flashy"), ValueError, r"backend must be one of auto, .*'flashy'"),
+    ("dtype mix", dict(value=rand(2, 5, 3, dtype=torch.float32)), TypeError, r"share a dtype"),
+    ("batch", dict(key=rand(3, 5, 8), value=rand(3, 5, 3)), ValueError, r"same batch dims"),
+    (
+        "heads",
+        dict(key=rand(2, 3, 5, 8), value=rand(2, 3, 5, 3), query=rand(2, 4, 4, 8)),
+        ValueError,
+        r"must equal or divide query heads",
+    ),
+    ("not tensor", dict(query=[[1.0]]), TypeError, r"query must be a torch.Tensor"),
+    ("bias dtype", dict(bias=torch.ones(4, 5, dtype=torch.long)), TypeError, r"bias must be"),
+    ("scale", dict(scale=float("nan")), TypeError, r"scale must be a finite number"),
+    ("fn on 3-D", dict(mask=masks.causal_fn()), ValueError, r"query must be 4-D"),
+]
+
+
+@pytest.mark.parametrize(
+    "name, overrides, exc, pattern", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS]
+)
+def test_bad_input_is_named(name, overrides, exc, pattern) -> None:
+    args = dict(query=rand(2, 4, 8), key=rand(2, 5, 8), value=rand(2, 5, 3))
+    args.update(overrides)
+    with pytest.raises(exc, match=pattern):
+        sdpa(**args)

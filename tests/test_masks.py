@@ -1,0 +1,99 @@
+"""Mask builders against hand-drawn masks, and the function forms against the tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit import masks
+
+T, F = True, False
+
+
+def test_causal_alignments_drawn() -> None:
+    assert masks.causal_mask(2, 5).tolist() == [[T, T, T, T, F], [T, T, T, T, T]]
+    assert masks.causal_mask(2, 5, align="top-left").tolist() == [
+        [T, F, F, F, F],
+        [T, T, F, F, F],
+    ]
+    assert torch.equal(masks.causal_mask(4), torch.ones(4, 4, dtype=torch.bool).tril())
+    # more queries than keys: the first rows see nothing
+    assert masks.causal_mask(3, 2).tolist() == [[F, F], [T, F], [T, T]]
+    with pytest.raises(ValueError, match="align must be"):
+        masks.causal_mask(2, align="left")  # type: ignore[arg-type]
+
+
+def test_sliding_window() -> None:
+    m = masks.sliding_window_mask(5, left=1)
+    expected = [
+        [T, F, F, F, F],
+        [T, T, F, F, F],
+        [F, T, T, F, F],
+        [F, F, T, T, F],
+        [F, F, F, T, T],
+    ]
+    assert m.tolist() == expected
+    both = masks.sliding_window_mask(4, left=1, right=1)
+    assert both.tolist() == [[T, T, F, F], [T, T, T, F], [F, T, T, T], [F, F, T, T]]
+    # a window as wide as the sequence is plain causal
+    assert torch.equal(masks.sliding_window_mask(6, 9, left=9), masks.causal_mask(6, 9))
+
+
+def test_padding_masks() -> None:
+    m = masks.padding_mask([3, 1, 0], max_len=4)
+    assert m.shape == (3, 1, 1, 4)
+    assert m[:, 0, 0].tolist() == [[T, T, T, F], [T, F, F, F], [F, F, F, F]]
+    ids = torch.tensor([[5, 6, 0, 0], [7, 0, 0, 0]])
+    assert torch.equal(masks.padding_mask_from_ids(ids, pad_id=0), masks.padding_mask([2, 1], 4))
+    with pytest.raises(ValueError, match="max_len=2 is shorter than the longest length 3"):
+        masks.padding_mask([3], max_len=2)
+    with pytest.raises(ValueError, match="lengths must be a 1-D integer tensor"):
+        masks.padding_mask(torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match=r"ids must have shape \(b, j\)"):
+        masks.padding_mask_from_ids(torch.tensor([1, 2]), 0)
+
+
+def test_block_diagonal_for_packed_sequences() -> None:
+    m = masks.block_diagonal_mask(torch.tensor([0, 0, 1, 1, 1, -1]))
+    assert m.shape == (1, 1, 6, 6)
+    dense = m[0, 0]
+    assert dense[:2, :2].all() and dense[2:5, 2:5].all()
+    assert not dense[:2, 2:].any() and not dense[5].any() and not dense[:, 5].any()
+
+
+def test_combine_and_convert() -> None:
+    a = masks.causal_mask(3)
+    b = masks.padding_mask([2], 3)
+    c = masks.combine_masks(a, None, b)
+    assert c is not None and torch.equal(c, a & b)
+    assert masks.combine_masks(None) is None
+    with pytest.raises(TypeError, match="bool masks"):
+        masks.combine_masks(a.float())
+    add = masks.to_additive(c, torch.float16)
+    assert add.dtype == torch.float16 and torch.isfinite(add).all()
+    assert torch.equal(add == 0, c) and add.min() == torch.finfo(torch.float16).min
+
+
+def test_from_torch_conventions() -> None:
+    # torch: key_padding_mask True = ignore, bool attn_mask True = NOT allowed, float -inf blocks
+    kpm = torch.tensor([[False, False, True]])
+    attn = torch.tensor([[False, True, True], [False, False, True]])
+    ours = masks.from_torch(attn, kpm)
+    assert ours is not None and ours.shape == (1, 1, 2, 3)
+    assert ours[0, 0].tolist() == [[T, F, F], [T, T, F]]
+    float_mask = torch.zeros(2, 3).masked_fill(attn, float("-inf"))
+    assert torch.equal(masks.from_torch(float_mask), ~attn)
+    with pytest.raises(ValueError, match="that is a bias"):
+        masks.from_torch(torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("i, j", [(5, 5), (3, 7), (7, 3)])
+def test_functions_equal_tensors(i: int, j: int) -> None:
+    off = j - i
+    grid = masks.materialize(masks.causal_fn(off), (2, 3, i, j))
+    assert grid.shape == (2, 3, i, j) or grid.shape == (1, 1, i, j)
+    assert torch.equal(grid.expand(2, 3, i, j)[1, 2], masks.causal_mask(i, j))
+    win = masks.materialize(masks.window_fn(2, 1, off), (1, 1, i, j))[0, 0]
+    assert torch.equal(win, masks.sliding_window_mask(i, j, left=2, right=1))
+    with pytest.raises(ValueError, match=r"\(b, h, i, j\) shape"):
+        masks.materialize(masks.causal_fn(), (i, j))
