@@ -4,7 +4,7 @@ The public surface is re-exported here; everything else is reachable through its
 (``attnkit.masks``, ``attnkit.backends``, ...).
 """
 
-from attnkit import masks
+from attnkit import masks, viz
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.backends import available_backends, register_backend
 from attnkit.blocks import (
@@ -49,4 +49,5 @@ __all__ = [
     "masks",
     "register_backend",
     "scaled_dot_product_attention",
+    "viz",
 ]
