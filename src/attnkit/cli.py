@@ -20,6 +20,8 @@ from collections.abc import Sequence
 COMMAND_MODULES = [
     "attnkit.commands.demo",
     "attnkit.commands.show",
+    "attnkit.commands.train",
+    "attnkit.commands.evaluate",
 ]
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, PermissionError, IsADirectoryError)
