@@ -4,7 +4,9 @@ The public surface is re-exported here; everything else is reachable through its
 (``attnkit.masks``, ``attnkit.backends``, ...).
 """
 
-from attnkit import masks, models, viz
+# backends before anything that imports attnkit.functional: backends.chunked imports functional,
+# which imports backends.registry, so loading functional first would be a circular import.
+from attnkit import backends, masks, models, viz
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.backends import available_backends, register_backend
 from attnkit.blocks import (
@@ -45,6 +47,7 @@ __all__ = [
     "alibi_fn",
     "alibi_slopes",
     "available_backends",
+    "backends",
     "inspect_attention",
     "masks",
     "models",
