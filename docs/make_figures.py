@@ -189,6 +189,35 @@ def fig_tiling() -> Any:
     return fig
 
 
+def fig_sparse_layouts() -> Any:
+    """The layouts of the sparse backend, materialised from its own mask functions."""
+    from attnkit.backends import sparse
+
+    n, block = 32, 4
+    layouts = {
+        "sliding_window(left=4)": sparse.sliding_window(4),
+        "strided blocks\n(local=2, stride=3)": sparse.block_sparse(
+            sparse.strided_layout(n // block, 2, 3), block
+        ),
+        "dilated blocks\n(window=3, dilation=2)": sparse.block_sparse(
+            sparse.dilated_layout(n // block, 3, 2), block
+        ),
+    }
+    fig = _figure(9.0, 3.3)
+    axes = fig.subplots(1, len(layouts))
+    for ax, (name, fn) in zip(axes, layouts.items(), strict=True):
+        allowed = masks.materialize(fn, (1, 1, n, n))[0, 0]  # (i, j) bool
+        ax.imshow(allowed.float().numpy(), cmap="Blues", vmin=-0.2, vmax=1.2)
+        ax.set_title(f"{name}: {allowed.float().mean():.0%} kept", fontsize=9)
+        ax.set_xticks([x - 0.5 for x in range(0, n + 1, block)], labels=[])
+        ax.set_yticks([y - 0.5 for y in range(0, n + 1, block)], labels=[])
+        ax.grid(color="0.75", linewidth=0.5)
+        ax.tick_params(length=0)
+        ax.set_xlabel("key j", fontsize=8)
+        ax.set_ylabel("query i", fontsize=8)
+    return fig
+
+
 FIGURES: dict[str, Callable[[], Any]] = {
     name.removeprefix("fig_"): fn
     for name, fn in sorted(globals().items())
