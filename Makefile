@@ -11,6 +11,7 @@ STAMP := $(VENV)/.attnkit-installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
+export NO_MKDOCS_2_WARNING := 1
 
 .PHONY: install system-deps demo test lint docs bench clean
 
