@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -193,3 +194,48 @@ def test_html_starts_at_the_requested_layer_and_head(fake: FakeBert, tmp_path: P
     assert main(["show", "a b c", "--layer", "2", "--head", "3", "--out", str(out)]) == 0
     page = out.read_text(encoding="utf-8")
     assert '"layer":2,"head":3' in page
+
+
+# ---- end to end: the bundled MiniLM through attnkit's BERT, Hugging Face as the oracle ----
+
+
+@pytest.mark.slow
+def test_end_to_end_with_the_bundled_minilm(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    transformers = pytest.importorskip("transformers", reason="the hf extra holds the oracle")
+    from attnkit.models.bert_pretrained import bundled_model_path
+
+    text = "The cat sat on the mat."
+    out = tmp_path / "attention.html"
+    assert main(["show", text, "--out", str(out), "--layer", "3", "--head", "7"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"wrote {out}"
+    assert printed[1].startswith("Strongest links, layer 3, head 7")
+
+    path = bundled_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    hf = transformers.BertModel.from_pretrained(str(path), attn_implementation="eager").eval()
+    batch = tokenizer([text], return_tensors="pt")
+    with torch.no_grad():
+        expected = torch.stack(hf(**batch, output_attentions=True).attentions)[:, 0]  # (l,h,i,j)
+    tokens = tokenizer.convert_ids_to_tokens(batch["input_ids"][0])
+
+    page = out.read_text(encoding="utf-8")
+    data = json.loads(re.search(r'class="ak-data">(.*?)</script>', page, flags=re.S).group(1))
+    assert data["queryTokens"] == tokens and (data["layer"], data["head"]) == (3, 7)
+    weights = _embedded_weights(page, (6, 12, len(tokens), len(tokens)))
+    np.testing.assert_allclose(weights, expected.numpy(), atol=1e-5)
+
+    png = tmp_path / "heads.png"
+    assert main(["show", text, "--out", str(png), "--layer", "5", "--top", "0"]) == 0
+    assert mpimg.imread(png).ndim == 3
+    assert capsys.readouterr().out == f"wrote {png}\n"
+
+
+@pytest.mark.slow
+def test_demo_runs_the_explorer_step_for_real(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["demo", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "attention.html") in out
+    assert "cat" in (tmp_path / "attention.html").read_text(encoding="utf-8")

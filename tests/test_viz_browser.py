@@ -163,7 +163,7 @@ def test_explorer_renders_switches_heads_and_shows_exact_weights(page: Page) -> 
     pg.select_option(".ak-head", "1")
     pg.hover(".ak-cell[data-q='2'][data-k='1']")
     ARTIFACTS.mkdir(exist_ok=True)
-    pg.screenshot(path=str(ARTIFACTS / "explorer.png"), full_page=True)
+    pg.screenshot(path=str(ARTIFACTS / "explorer-synthetic.png"), full_page=True)
     page.assert_clean()
 
 
@@ -247,3 +247,35 @@ def test_missing_chromium_fails_with_a_hint(tmp_path: Path) -> None:
     )
     assert done.returncode != 0
     assert "run `make test`" in done.stdout and "1 error" in done.stdout
+
+
+@pytest.mark.slow
+def test_attnkit_show_page_for_the_bundled_minilm(page: Page) -> None:
+    # What a person does: `attnkit show TEXT`, then open the page. The text carries markup.
+    from attnkit.cli import main
+    from attnkit.models.bert import load_pretrained
+
+    text = f"The cat sat on the mat. {XSS}"
+    out = page.tmp_path / "attention.html"
+    assert main(["show", text, "--out", str(out), "--top", "0"]) == 0
+    result = load_pretrained().encode([text], need_weights=True)
+    tokens, att = result.tokens[0], result.attentions[:, 0]  # (l, h, i, j)
+
+    pg = page.page
+    pg.goto(out.as_uri())
+    pg.wait_for_selector(".attnkit-explorer[data-ready]", timeout=60_000)
+    assert pg.locator(".ak-row-label").all_inner_texts() == tokens
+    assert pg.locator(".ak-thumb").count() == 72
+    assert text in pg.inner_text(".ak-text")
+    assert pg.locator("img").count() == 0
+    for layer, head in ((0, 0), (4, 9)):
+        pg.select_option(".ak-layer", str(layer))
+        pg.select_option(".ak-head", str(head))
+        pg.hover(".ak-cell[data-q='2'][data-k='6']")
+        assert _weight(pg) == pytest.approx(att[layer, head, 2, 6].item(), rel=1e-5, abs=1e-7)
+    pg.select_option(".ak-layer", "2")
+    pg.select_option(".ak-head", "5")
+    pg.hover(".ak-col-q .ak-ltok[data-q='2']")
+    ARTIFACTS.mkdir(exist_ok=True)
+    pg.screenshot(path=str(ARTIFACTS / "explorer.png"), full_page=True)
+    page.assert_clean()

@@ -72,8 +72,8 @@ class AttentionExplorer:
         *,
         title: str = "Attention explorer",
         text: str | None = None,
-        layer: int = 0,
-        head: int = 0,
+        layer: int | None = 0,
+        head: int | None = 0,
         rollout: bool | None = None,
     ) -> None:
         arr, q_tokens, k_tokens = as_attention4d(attention, tokens, key_tokens)
@@ -83,8 +83,8 @@ class AttentionExplorer:
         self.key_tokens = k_tokens
         self.title = str(title)
         self.text = text
-        self.layer = check_index(layer, n_layers, "layer")
-        self.head = check_index(head, n_heads, "head")
+        self.layer = check_index(layer, n_layers, "layer") or 0  # None: the first
+        self.head = check_index(head, n_heads, "head") or 0
         if rollout and i != j:
             raise ValueError(f"rollout needs self-attention (i == j), got i={i}, j={j}")
         self.rollout = (i == j) if rollout is None else bool(rollout)
