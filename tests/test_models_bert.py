@@ -176,6 +176,14 @@ def test_sentence_embeddings_match_sentence_transformers(ours32, path) -> None:
     torch.testing.assert_close(enc.embeddings.norm(dim=-1), torch.ones(len(SENTENCES)))
     cosine = torch.nn.functional.cosine_similarity(enc.embeddings, expected.cpu(), dim=-1)
     assert cosine.min().item() >= 0.99999
+    # sentence-transformers cuts this model at 256 tokens; max_length=256 reproduces it.
+    long_text = " ".join(SENTENCES) * 6  # about 330 tokens
+    with pytest.warns(UserWarning, match="max_length=256"):
+        long_enc = ours32.encode([long_text], max_length=256)
+    expected = oracle.encode([long_text], convert_to_tensor=True)
+    cosine = torch.nn.functional.cosine_similarity(long_enc.embeddings, expected.cpu(), dim=-1)
+    assert long_enc.lengths.tolist() == [256]
+    assert cosine.min().item() >= 0.99999
 
 
 def test_single_string_and_order(ours32) -> None:
