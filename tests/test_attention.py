@@ -239,8 +239,24 @@ def test_bad_inputs_name_the_problem() -> None:
     cross = MultiHeadAttention(8, 2, kdim=4)
     with pytest.raises(ValueError, match="self-attention needs kdim"):
         cross(torch.randn(2, 3, 8))
-    with pytest.raises(ValueError, match="cache is for self-attention"):
-        mha(torch.randn(2, 3, 8), torch.randn(2, 5, 8), cache=KVCache())
+
+
+def test_cross_attention_cache_projects_memory_once() -> None:
+    torch.manual_seed(0)
+    cross = MultiHeadAttention(16, 4, num_kv_heads=2, kdim=6, vdim=6).to(D64).eval()
+    memory = torch.randn(2, 7, 6, dtype=D64)
+    q = torch.randn(2, 5, 16, dtype=D64)
+    full, _ = cross(q, memory)
+    cache = KVCache()
+    calls = []
+    cross.k_proj.register_forward_hook(lambda *a: calls.append(1))
+    steps = [cross(q[:, t : t + 1], memory, cache=cache)[0] for t in range(5)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-12, rtol=0)
+    assert len(calls) == 1 and cache.length == 7
+    with pytest.raises(ValueError, match="cross-attention cache holds a memory"):
+        cross(q[:, :1], torch.randn(2, 3, 6, dtype=D64), cache=cache)
+    with pytest.raises(ValueError, match="rope cannot be combined"):
+        cross(q, memory, cache=cache, rope=RotaryEmbedding(4))
 
 
 def test_cache_from_another_shape_is_refused() -> None:

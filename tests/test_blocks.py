@@ -150,11 +150,12 @@ def test_decoder_cache_equals_full_forward_and_is_causal(positional: str) -> Non
     memory = torch.randn(2, 5, 16, dtype=D64)
     memory_mask = masks.padding_mask(torch.tensor([5, 2]))
     full, _ = dec(ids, memory, memory_mask=memory_mask)
-    caches = dec.new_caches()
-    steps = [dec(ids[:, :2], memory, memory_mask=memory_mask, caches=caches)[0]]
-    for t in range(2, 7):
-        steps.append(dec(ids[:, t : t + 1], memory, memory_mask=memory_mask, caches=caches)[0])
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-10, rtol=0)
+    for cross_caches in (None, dec.new_caches()):
+        kw = dict(memory_mask=memory_mask, caches=dec.new_caches(), cross_caches=cross_caches)
+        steps = [dec(ids[:, :2], memory, **kw)[0]]
+        for t in range(2, 7):
+            steps.append(dec(ids[:, t : t + 1], memory, **kw)[0])
+        torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-10, rtol=0)
     # causality: changing tokens after t leaves logits up to t unchanged
     ids2 = ids.clone()
     ids2[:, 4:] = (ids2[:, 4:] + 3) % 23
@@ -162,17 +163,19 @@ def test_decoder_cache_equals_full_forward_and_is_causal(positional: str) -> Non
     torch.testing.assert_close(full2[:, :4], full[:, :4], atol=1e-12, rtol=0)
 
 
-def test_generate_greedy_matches_recomputation() -> None:
-    cfg = dataclasses.replace(CFG, positional="rope")
+@pytest.mark.parametrize("cross_attention", [False, True])
+def test_generate_greedy_matches_recomputation(cross_attention: bool) -> None:
+    cfg = dataclasses.replace(CFG, positional="rope", cross_attention=cross_attention)
     torch.manual_seed(1)
     dec = TransformerDecoder(cfg).to(D64).eval()
     prompt = torch.randint(0, 23, (2, 3))
-    out = dec.generate(prompt, 5)
+    memory = torch.randn(2, 4, 16, dtype=D64) if cross_attention else None
+    out = dec.generate(prompt, 5, memory)
     assert out.shape == (2, 8) and torch.equal(out[:, :3], prompt)
     ids = prompt
     with torch.no_grad():
         for _ in range(5):  # no cache: the whole sequence every step
-            logits, _ = dec(ids)
+            logits, _ = dec(ids, memory)
             ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(out, ids)
 

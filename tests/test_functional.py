@@ -318,3 +318,18 @@ def test_bad_input_is_named(name, overrides, exc, pattern) -> None:
     args.update(overrides)
     with pytest.raises(exc, match=pattern):
         sdpa(**args)
+
+
+@pytest.mark.parametrize(
+    ("mask_shape", "bias_shape"), [((3, 1, 1, 9), (7, 9)), ((9,), (6, 1, 9)), ((7, 9), None)]
+)
+def test_gqa_with_lower_rank_mask_and_bias(mask_shape, bias_shape) -> None:
+    # Regression: a padding mask (b, 1, 1, j) once lined its batch axis up with the kv heads.
+    q, k, v = rand(3, 6, 7, 8, seed=0), rand(3, 2, 9, 8, seed=1), rand(3, 2, 9, 5, seed=2)
+    mask = torch.rand(*mask_shape, generator=torch.Generator().manual_seed(4)) > 0.3
+    bias = None if bias_shape is None else rand(*bias_shape, seed=5)
+    kr, vr = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
+    expected = sdpa(q, kr, vr, mask, bias=bias, backend="math")
+    got = sdpa(q, k, v, mask, bias=bias, backend="math")
+    assert got.shape == (3, 6, 7, 5)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)

@@ -50,7 +50,7 @@ class QKTransform(Protocol):
 
 
 class KVCache:
-    """Keys and values already computed by *one* self-attention layer, for incremental decoding.
+    """Keys and values already computed by *one* attention layer, for incremental decoding.
 
     Give each layer its own cache (a decoder keeps a list, one per block). On every call the layer
     projects only the new tokens, appends their keys/values here, and attends over everything
@@ -67,6 +67,9 @@ class KVCache:
     storage is allocated once and filled in place (no re-copy per token); without it each append
     concatenates. The cache remembers ``b``, ``h_kv`` and ``d`` from its first append and refuses
     tensors of any other shape (a cache from another model or batch).
+
+    In cross-attention the same object holds the projected keys/values of the encoder's memory:
+    the first call fills it, later calls reuse it instead of projecting the memory again.
     """
 
     def __init__(self, max_len: int | None = None) -> None:
@@ -308,7 +311,10 @@ class MultiHeadAttention(nn.Module):
                 (relative positions, ALiBi).
             rope: a q/k transform such as ``attnkit.RotaryEmbedding``, applied to queries and
                 new keys at positions ``cache.length ..`` (``0 ..`` without a cache).
-            cache: a ``KVCache`` for incremental self-attention decoding.
+            cache: a ``KVCache`` for incremental decoding. In self-attention the new keys and
+                values are appended to it. In cross-attention (``key`` given) it holds the
+                memory's projected keys and values: filled on the first call, reused on later
+                calls (the memory itself is then only checked for its shape).
 
         Returns:
             ``(output (b, i, e), weights (b, h, i, j) or None)``.
@@ -325,38 +331,60 @@ class MultiHeadAttention(nn.Module):
                 f"{self.kdim}, vdim={self.vdim}, embed_dim={self.embed_dim}: pass key and value"
             )
         self._check_inputs(query, key, value)
-        if cache is not None and not self_attention:
-            raise ValueError(
-                "cache is for self-attention (key=None); cross-attention keys do not grow"
-            )
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache must be an attnkit.KVCache, got {type(cache).__name__}")
+        memory_cache = cache if cache is not None and not self_attention else None
+        if memory_cache is not None and rope is not None:
+            raise ValueError("rope cannot be combined with a cross-attention cache")
         b, i, _ = query.shape
         j = key.shape[1]
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
 
         if self_attention and self.in_proj is not None:
             q, k, v = self.in_proj(query).split([self.embed_dim, self.kv_dim, self.kv_dim], -1)
+        elif memory_cache is not None and memory_cache.length > 0:
+            q, k, v = self._project(query, 0), None, None  # keys/values come from the cache
         else:
             q, k, v = self._project(query, 0), self._project(key, 1), self._project(value, 2)
         q = q.view(b, i, h, d).transpose(1, 2)  # (b, h, i, d)
-        k = k.view(b, j, h_kv, d).transpose(1, 2)  # (b, h_kv, j, d)
-        v = v.view(b, j, h_kv, d).transpose(1, 2)  # (b, h_kv, j, d)
+        if k is not None and v is not None:
+            k = k.view(b, j, h_kv, d).transpose(1, 2)  # (b, h_kv, j, d)
+            v = v.view(b, j, h_kv, d).transpose(1, 2)  # (b, h_kv, j, d)
 
-        offset = 0 if cache is None else cache.length
+        offset = 0 if cache is None or memory_cache is not None else cache.length
         if rope is not None:
             # RoFormer (Su et al. 2021): rotate q and k by their absolute positions, so their dot
             # product depends only on the relative offset. New keys sit at the queries' positions.
             q = rope.rotate(q, offset)
             k = rope.rotate(k, offset)
-        if cache is not None:
+        if memory_cache is not None:
+            k, v = self._memory_keys(memory_cache, k, v, key)  # (b, h_kv, j, d)
+        elif cache is not None:
             k, v = cache.append(k, v)  # (b, h_kv, offset + j, d)
+        assert k is not None and v is not None
 
         out, weights = self._attend(
             q, k, v, mask=mask, is_causal=is_causal, need_weights=need_weights, bias=bias
         )
         out = out.transpose(1, 2).reshape(b, i, self.embed_dim)  # (b, i, h * d)
         return self.out_proj(out), weights
+
+    @staticmethod
+    def _memory_keys(
+        cache: KVCache, k: Tensor | None, v: Tensor | None, key: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Cross-attention cache: store the memory's projected keys once, then reuse them."""
+        if k is not None and v is not None:
+            return cache.append(k, v)
+        cached_k, cached_v = cache.key, cache.value
+        assert cached_k is not None and cached_v is not None
+        if key.shape[1] != cache.length or key.shape[0] != cached_k.shape[0]:
+            raise ValueError(
+                f"cross-attention cache holds a memory of (b, j) = "
+                f"({cached_k.shape[0]}, {cache.length}) but key is {tuple(key.shape)}: a "
+                "cross-attention cache belongs to one memory (call reset() for another)"
+            )
+        return cached_k, cached_v
 
     def _attend(
         self,

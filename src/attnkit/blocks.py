@@ -168,12 +168,14 @@ class TransformerBlock(nn.Module):
         bias: Tensor | BiasFn | None = None,
         rope: QKTransform | None = None,
         cache: KVCache | None = None,
+        cross_cache: KVCache | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """``x (b, i, e)`` -> ``(x (b, i, e), self-attention weights (b, h, i, j) or None)``.
 
         ``mask``, ``is_causal``, ``bias``, ``rope`` and ``cache`` go to the self-attention (see
-        ``MultiHeadAttention.forward``); ``memory (b, j, e)`` and ``memory_mask`` (broadcastable
-        to ``(b, h, i, j)``, e.g. the encoder's padding mask) to the cross-attention.
+        ``MultiHeadAttention.forward``); ``memory (b, j, e)``, ``memory_mask`` (broadcastable
+        to ``(b, h, i, j)``, e.g. the encoder's padding mask) and ``cross_cache`` (the memory's
+        projected keys/values, kept between decoding steps) to the cross-attention.
         """
         if self.cross_attn is None and memory is not None:
             raise ValueError("memory was given but this block has no cross-attention")
@@ -185,7 +187,9 @@ class TransformerBlock(nn.Module):
             x = x + self.dropout(h)
             if self.cross_attn is not None:
                 assert self.cross_norm is not None
-                h, _ = self.cross_attn(self.cross_norm(x), memory, mask=memory_mask)
+                h, _ = self.cross_attn(
+                    self.cross_norm(x), memory, mask=memory_mask, cache=cross_cache
+                )
                 x = x + self.dropout(h)
             x = x + self.dropout(self.ffn(self.ffn_norm(x)))
         else:
@@ -193,7 +197,7 @@ class TransformerBlock(nn.Module):
             x = self.attn_norm(x + self.dropout(h))
             if self.cross_attn is not None:
                 assert self.cross_norm is not None
-                h, _ = self.cross_attn(x, memory, mask=memory_mask)
+                h, _ = self.cross_attn(x, memory, mask=memory_mask, cache=cross_cache)
                 x = self.cross_norm(x + self.dropout(h))
             x = self.ffn_norm(x + self.dropout(self.ffn(x)))
         return x, weights
@@ -368,6 +372,7 @@ class _Stack(nn.Module):
         memory: Tensor | None = None,
         memory_mask: Tensor | MaskFn | None = None,
         caches: list[KVCache] | None = None,
+        cross_caches: list[KVCache] | None = None,
     ) -> tuple[Tensor, list[Tensor] | None]:
         c = self.config
         offset = caches[0].length if caches else 0
@@ -387,6 +392,7 @@ class _Stack(nn.Module):
                 bias=bias,
                 rope=self.rope,
                 cache=None if caches is None else caches[n],
+                cross_cache=None if cross_caches is None else cross_caches[n],
             )
             if use_checkpoint and caches is None:
                 x, w = checkpoint(block, x, use_reentrant=False, **kwargs)
@@ -428,9 +434,11 @@ class TransformerDecoder(_Stack):
     encoder's ``memory`` when ``config.cross_attention``), final norm, and logits through the
     token embedding (weights tied, Press & Wolf 2017). ``vocab_size`` is required.
 
-    ``forward(ids, memory=None, *, mask=None, memory_mask=None, need_weights=False, caches=None)``
-    returns ``(logits (b, i, V), per-layer self-attention weights or None)``. ``caches`` is one
-    ``KVCache`` per layer (``new_caches()``); positions then continue at ``caches[0].length``.
+    ``forward(ids, memory=None, *, mask=None, memory_mask=None, need_weights=False, caches=None,
+    cross_caches=None)`` returns ``(logits (b, i, V), per-layer self-attention weights or None)``.
+    ``caches`` is one ``KVCache`` per layer (``new_caches()``); positions then continue at
+    ``caches[0].length``. ``cross_caches`` (also from ``new_caches()``) keep each layer's projected
+    memory between steps, so the memory is projected once per generation, not once per token.
     """
 
     def __init__(self, config: TransformerConfig) -> None:
@@ -451,11 +459,13 @@ class TransformerDecoder(_Stack):
         memory_mask: Tensor | MaskFn | None = None,
         need_weights: bool = False,
         caches: list[KVCache] | None = None,
+        cross_caches: list[KVCache] | None = None,
     ) -> tuple[Tensor, list[Tensor] | None]:
-        if caches is not None and len(caches) != len(self.blocks):
-            raise ValueError(
-                f"caches must hold one KVCache per layer ({len(self.blocks)}), got {len(caches)}"
-            )
+        for name, given in (("caches", caches), ("cross_caches", cross_caches)):
+            if given is not None and len(given) != len(self.blocks):
+                raise ValueError(
+                    f"{name} must hold one KVCache per layer ({len(self.blocks)}), got {len(given)}"
+                )
         offset = caches[0].length if caches else 0
         x = self._embed(ids, offset)
         x, weights = self._run_blocks(
@@ -466,6 +476,7 @@ class TransformerDecoder(_Stack):
             memory=memory,
             memory_mask=memory_mask,
             caches=caches,
+            cross_caches=cross_caches,
         )
         assert self.embed is not None
         return x @ self.embed.weight.T, weights  # (b, i, V)
@@ -483,8 +494,8 @@ class TransformerDecoder(_Stack):
         """Greedy decoding with a KV cache: ``ids (b, i)`` -> ``(b, i + max_new_tokens)``.
 
         The prompt is processed in one call, then one token per step (each step attends over the
-        cache). Prompts must share a length (no left padding). After ``eos_id`` a sequence keeps
-        emitting ``eos_id``.
+        cache; the memory is projected once, on the first step). Prompts must share a length (no
+        left padding). After ``eos_id`` a sequence keeps emitting ``eos_id``.
         """
         if ids.ndim != 2 or ids.shape[1] == 0:
             raise ValueError(f"ids must be a non-empty (b, i) prompt, got {tuple(ids.shape)}")
@@ -494,11 +505,18 @@ class TransformerDecoder(_Stack):
         if self.config.positional == "learned" and total > self.config.max_len:
             raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_len")
         caches = self.new_caches(total)
+        cross_caches = self.new_caches() if self.config.cross_attention else None
         out = ids
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         step_input = ids
         for _ in range(max_new_tokens):
-            logits, _ = self(step_input, memory, memory_mask=memory_mask, caches=caches)
+            logits, _ = self(
+                step_input,
+                memory,
+                memory_mask=memory_mask,
+                caches=caches,
+                cross_caches=cross_caches,
+            )
             nxt = logits[:, -1].argmax(dim=-1)  # (b,)
             if eos_id is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
