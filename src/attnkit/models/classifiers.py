@@ -73,8 +73,11 @@ class TabularAttentionClassifier(nn.Module):
         super().__init__()
         self.config = config
         f, e = config.n_features, config.d_model
+        # w_f and b_f start at the same scale on purpose: the blocks' LayerNorm sees
+        # LN(v * w_f + b_f), which for |v * w_f| >> |b_f| is just sign(v) * LN(w_f); comparable
+        # scales keep the measurement's magnitude visible to attention.
         self.feature_weight = nn.Parameter(torch.randn(f, e) / math.sqrt(e))  # w_f
-        self.feature_bias = nn.Parameter(torch.randn(f, e) * 0.02)  # b_f: identity of feature f
+        self.feature_bias = nn.Parameter(torch.randn(f, e) / math.sqrt(e))  # b_f
         self.cls = nn.Parameter(torch.randn(1, 1, e) * 0.02)
         self.blocks = nn.ModuleList(
             _block(e, config.num_heads, config.ff_mult, config.dropout)
