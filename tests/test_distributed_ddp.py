@@ -1,0 +1,128 @@
+"""Data-parallel training on 2 CPU processes equals one process with the same global batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from attnkit.distributed import ddp
+from distributed_harness import run_workers
+
+GLOBAL_BATCH, EPOCHS, N_EXAMPLES, SEED = 8, 2, 32, 3
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(N_EXAMPLES, 4, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (N_EXAMPLES,), generator=gen)
+    return x, y
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def _train_single() -> nn.Module:
+    """The oracle: one process, batches of GLOBAL_BATCH in DistributedSampler's shuffled order
+    (``torch.randperm`` seeded with ``seed + epoch``, as its documentation states)."""
+    x, y = _data()
+    model = _model(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(EPOCHS):
+        order = torch.randperm(N_EXAMPLES, generator=torch.Generator().manual_seed(SEED + epoch))
+        for start in range(0, N_EXAMPLES, GLOBAL_BATCH):
+            batch = order[start : start + GLOBAL_BATCH]
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+            opt.step()
+    return model
+
+
+def _worker(rank: int, world: int, report: str) -> None:
+    env = ddp.setup()  # the harness already initialised the group: setup() adopts it
+    assert (env.rank, env.world_size, env.distributed, env.is_main) == (
+        rank,
+        world,
+        True,
+        rank == 0,
+    )
+    x, y = _data()
+    dataset = torch.utils.data.TensorDataset(x, y)
+    # Each rank initialises differently on purpose: DDP must broadcast rank 0's weights.
+    model = ddp.wrap_model(_model(seed=rank), env)
+    sampler = ddp.make_sampler(dataset, env, shuffle=True, seed=SEED)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=GLOBAL_BATCH // world, sampler=sampler)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        for xb, yb in loader:
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            losses.append(ddp.all_reduce_mean(loss.item(), env))
+    trained = ddp.unwrap_model(model)
+    assert not isinstance(trained, nn.parallel.DistributedDataParallel)
+    reference = _train_single()
+    diff = max(
+        (p - r).abs().max().item()
+        for p, r in zip(trained.parameters(), reference.parameters(), strict=True)
+    )
+    assert diff < 1e-12, f"rank {rank}: DDP parameters differ from one process by {diff}"
+    # all_reduce_mean is the mean over ranks.
+    assert ddp.all_reduce_mean(float(rank), env) == pytest.approx((world - 1) / 2)
+    diffs: list = [None] * world
+    dist.all_gather_object(diffs, diff)
+    if env.is_main:
+        Path(report).write_text(json.dumps({"max_param_diff": diffs, "losses": losses}))
+    ddp.barrier(env)
+    ddp.teardown(env)  # adopted, not created here: the group stays for the harness to destroy
+    assert dist.is_initialized()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ddp_two_processes_equal_one_process(tmp_path: Path) -> None:
+    report = tmp_path / "ddp.json"
+    run_workers(_worker, 2, str(report))
+    result = json.loads(report.read_text())
+    assert max(result["max_param_diff"]) < 1e-12
+    assert len(result["losses"]) == EPOCHS * N_EXAMPLES // GLOBAL_BATCH
+
+
+def test_setup_without_torchrun_is_a_world_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert not ddp.launched_by_torchrun()
+    env = ddp.setup()
+    assert env == ddp.DistEnv() and env.is_main and not env.distributed
+    model = nn.Linear(2, 2)
+    assert ddp.wrap_model(model, env) is model
+    assert (
+        ddp.make_sampler(torch.utils.data.TensorDataset(torch.zeros(4)), env, shuffle=True) is None
+    )
+    assert ddp.all_reduce_mean(2.5, env) == 2.5
+    assert env.device == torch.device("cpu")
+    ddp.teardown(env)
+    assert not dist.is_initialized()
+
+
+def test_setup_rejects_bad_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match="RANK=2"):
+        ddp.setup()
+    monkeypatch.setenv("RANK", "one")
+    with pytest.raises(ValueError, match="RANK"):
+        ddp.setup()
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="backend"):
+        ddp.setup(backend="mpi")
