@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import tempfile
+import time
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from attnkit import scaled_dot_product_attention
 from attnkit.distributed import (
@@ -192,3 +195,18 @@ def test_unshard_rejects_foreign_lengths_and_passes_gradients() -> None:
     (full * torch.arange(8.0).view(1, 1, 8, 1)).sum().backward()
     assert shards[0].grad[0, 0, :, 0].tolist() == [0.0, 1.0, 6.0, 7.0]
     assert math.isclose(shards[1].grad.sum().item(), 2 * (2 + 3 + 4 + 5))
+
+
+def _dies(rank: int, world: int) -> None:
+    if rank == 1:
+        os._exit(3)  # a crash: no exception, no clean shutdown
+    dist.barrier()  # rank 0 would wait here forever (until the group's timeout)
+
+
+@pytest.mark.distributed
+def test_harness_fails_instead_of_hanging_when_a_worker_dies() -> None:
+    start = time.monotonic()
+    with pytest.raises(mp.ProcessExitedException, match="exit code 3"):
+        run_workers(_dies, 2, timeout=100)
+    # Reported as soon as rank 1 died, before the group timeout (60 s) ended rank 0's wait.
+    assert time.monotonic() - start < 60

@@ -4,7 +4,7 @@ The public surface is re-exported here; everything else is reachable through its
 (``attnkit.masks``, ``attnkit.backends``, ...).
 """
 
-from attnkit import masks
+from attnkit import distributed, masks
 from attnkit.backends import available_backends, register_backend
 from attnkit.functional import scaled_dot_product_attention
 
@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "available_backends",
+    "distributed",
     "masks",
     "register_backend",
     "scaled_dot_product_attention",
