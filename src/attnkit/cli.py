@@ -19,6 +19,9 @@ from collections.abc import Sequence
 # One line per subcommand module; order is the order of `attnkit --help`.
 COMMAND_MODULES = [
     "attnkit.commands.demo",
+    "attnkit.commands.show",
+    "attnkit.commands.train",
+    "attnkit.commands.evaluate",
 ]
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, PermissionError, IsADirectoryError)

@@ -219,8 +219,11 @@ def _check_broadcast(name: str, t: Tensor, score_shape: tuple[int, ...]) -> None
 
 
 def _grouped(t: Tensor, ndim: int, h_kv: int, g: int) -> Tensor:
-    """View a tensor broadcastable to ``(..., h, i, j)`` as ``(..., h_kv, g, i, j)``, no copy."""
-    t = t.reshape((1,) * (ndim - t.ndim) + tuple(t.shape))  # pad to the scores' rank
+    """View a tensor broadcastable to ``(..., h, i, j)`` as ``(..., h_kv, g, i, j)``, no copy.
+
+    ``ndim`` is the rank of the grouped scores (one more than the scores' rank).
+    """
+    t = t.reshape((1,) * (ndim - 1 - t.ndim) + tuple(t.shape))  # pad to the scores' rank
     if t.shape[-3] == 1:
         return t.unsqueeze(-3)  # (..., 1, 1, i, j)
     return t.unflatten(-3, (h_kv, g))  # (..., h_kv, g, i, j)

@@ -1,0 +1,440 @@
+"""Multi-head attention (Vaswani et al. 2017, section 3.2.2) with GQA and a KV cache.
+
+Shape vocabulary (used in every comment below):
+
+    b  batch    i  query positions    j  key positions    e  embed_dim
+    h  query heads    h_kv  key/value heads    d  head width (e // h)
+
+The module only *projects*: queries, keys and values are split into heads and handed to
+``attnkit.scaled_dot_product_attention``, which holds the one reference math and the backends.
+
+Parameters (stable names; the BERT and training code load weights into them):
+
+* ``in_proj`` (``nn.Linear(e, e + 2 * h_kv * d)``), present when ``kdim == vdim == e``: the fused
+  query/key/value projection. Its output rows are stacked ``[q; k; v]`` with sizes
+  ``e, h_kv * d, h_kv * d`` (torch's ``in_proj_weight`` layout when ``h_kv == h``). Self-attention
+  does one matmul; cross-attention uses the three row blocks separately.
+* ``q_proj``, ``k_proj``, ``v_proj``, present instead of ``in_proj`` when ``kdim`` or ``vdim``
+  differ from ``e`` (keys and values then come from another space, as in torch).
+* ``out_proj`` (``nn.Linear(e, e)``).
+
+Grouped-query attention (Ainslie et al. 2023) and multi-query attention (Shazeer 2019): with
+``num_kv_heads = h_kv`` dividing ``num_heads``, keys and values are projected to ``h_kv`` heads
+only and passed to the functional as ``(b, h_kv, j, d)``; it broadcasts each key/value head over
+its ``h // h_kv`` query heads without copying them.
+
+Initialisation (deliberate, as in torch's ``nn.MultiheadAttention``): every projection weight is
+Xavier-uniform (Glorot & Bengio 2010), one projection at a time so each keeps unit gain, and every
+bias is zero, so at initialisation attention is a function of the inputs only.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnkit.functional import scaled_dot_product_attention
+from attnkit.masks import BiasFn, MaskFn
+
+__all__ = ["KVCache", "MultiHeadAttention", "QKTransform"]
+
+
+class QKTransform(Protocol):
+    """What ``rope=`` accepts: ``rotate(x, offset)`` maps ``(b, h, n, d)`` at positions
+    ``offset .. offset + n - 1`` to the same shape (``attnkit.RotaryEmbedding`` is one)."""
+
+    def rotate(self, x: Tensor, offset: int = 0) -> Tensor: ...
+
+
+class KVCache:
+    """Keys and values already computed by *one* self-attention layer, for incremental decoding.
+
+    Give each layer its own cache (a decoder keeps a list, one per block). On every call the layer
+    projects only the new tokens, appends their keys/values here, and attends over everything
+    cached. With ``is_causal=True`` the causal mask is aligned bottom-right, so the new queries
+    (the last ``i`` positions) see every cached key and the new ones up to themselves::
+
+        cached j=3, new i=2:   1 1 1 1 0
+                               1 1 1 1 1
+
+    Decoding token by token therefore gives the same outputs as one causal forward over the whole
+    sequence. ``length`` is also the position offset of the next token (used for RoPE).
+
+    Storage: ``key`` is ``(b, h_kv, j, d)``, ``value`` ``(b, h_kv, j, d)``. With ``max_len`` the
+    storage is allocated once and filled in place (no re-copy per token); without it each append
+    concatenates. The cache remembers ``b``, ``h_kv`` and ``d`` from its first append and refuses
+    tensors of any other shape (a cache from another model or batch).
+    """
+
+    def __init__(self, max_len: int | None = None) -> None:
+        if max_len is not None and (not isinstance(max_len, int) or max_len <= 0):
+            raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
+        self.max_len = max_len
+        self.length = 0
+        self._key: Tensor | None = None  # (b, h_kv, j_max, d) when preallocated
+        self._value: Tensor | None = None
+
+    @property
+    def key(self) -> Tensor | None:
+        return None if self._key is None else self._key[:, :, : self.length]
+
+    @property
+    def value(self) -> Tensor | None:
+        return None if self._value is None else self._value[:, :, : self.length]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def reset(self) -> None:
+        """Forget every cached position (keeps nothing, so the next append may change shape)."""
+        self.length = 0
+        self._key = self._value = None
+
+    def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Append ``(b, h_kv, n, d)`` keys/values; return all cached keys/values so far."""
+        if key.ndim != 4 or value.ndim != 4 or key.shape[:3] != value.shape[:3]:
+            raise ValueError(
+                f"KVCache.append takes key and value of shape (b, h_kv, n, d) with matching "
+                f"(b, h_kv, n); got key {tuple(key.shape)}, value {tuple(value.shape)}"
+            )
+        n = key.shape[2]
+        if self._key is not None:
+            assert self._value is not None
+            want_k = (self._key.shape[0], self._key.shape[1], self._key.shape[3])
+            want_v = (self._value.shape[0], self._value.shape[1], self._value.shape[3])
+            got_k = (key.shape[0], key.shape[1], key.shape[3])
+            got_v = (value.shape[0], value.shape[1], value.shape[3])
+            if want_k != got_k or want_v != got_v:
+                raise ValueError(
+                    f"cache holds keys (b, h_kv, d) = {want_k} and values {want_v} but this "
+                    f"call produces keys {got_k} and values {got_v}: the cache comes from "
+                    "another layer, model or batch (call reset() or make a new KVCache)"
+                )
+            if self._key.dtype != key.dtype or self._key.device != key.device:
+                raise ValueError(
+                    f"cache holds {self._key.dtype} on {self._key.device}, this call gives "
+                    f"{key.dtype} on {key.device}"
+                )
+        if self.max_len is not None:
+            if self.length + n > self.max_len:
+                raise ValueError(
+                    f"KVCache is full: {self.length} cached + {n} new > max_len={self.max_len}"
+                )
+            if self._key is None:
+                b, h_kv, _, d = key.shape
+                self._key = key.new_empty(b, h_kv, self.max_len, d)
+                self._value = value.new_empty(b, h_kv, self.max_len, value.shape[3])
+            assert self._value is not None
+            self._key[:, :, self.length : self.length + n] = key
+            self._value[:, :, self.length : self.length + n] = value
+        elif self._key is None:
+            self._key, self._value = key, value
+        else:
+            assert self._value is not None
+            self._key = torch.cat([self._key, key], dim=2)  # (b, h_kv, j + n, d)
+            self._value = torch.cat([self._value, value], dim=2)
+        self.length += n
+        k, v = self.key, self.value
+        assert k is not None and v is not None
+        return k, v
+
+
+def _check_positive(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention over batch-first inputs ``(b, i, e)``.
+
+    Args:
+        embed_dim: model width ``e``; must be divisible by ``num_heads``.
+        num_heads: query heads ``h``; head width ``d = e // h``.
+        num_kv_heads: key/value heads ``h_kv`` (must divide ``h``); ``None`` means ``h``
+            (ordinary attention), ``1`` is multi-query attention.
+        kdim, vdim: feature sizes of ``key`` and ``value`` inputs (cross-attention from another
+            space); ``None`` means ``embed_dim``.
+        bias: whether the projections have biases.
+        dropout: probability of dropping an attention weight, applied only in training mode.
+        backend: attention backend name (``"auto"``, ``"math"``, ``"torch"``, or any registered).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        _check_positive("embed_dim", embed_dim)
+        _check_positive("num_heads", num_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        _check_positive("num_kv_heads", num_kv_heads)
+        if embed_dim % num_heads != 0:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+            )
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads}) for "
+                "grouped-query attention"
+            )
+        kdim = embed_dim if kdim is None else _check_positive("kdim", kdim)
+        vdim = embed_dim if vdim is None else _check_positive("vdim", vdim)
+        if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.kdim, self.vdim = kdim, vdim
+        self.dropout = float(dropout)
+        self.backend = backend
+        kv_dim = num_kv_heads * self.head_dim
+        self.in_proj: nn.Linear | None = None
+        self.q_proj: nn.Linear | None = None
+        self.k_proj: nn.Linear | None = None
+        self.v_proj: nn.Linear | None = None
+        if kdim == vdim == embed_dim:
+            self.in_proj = nn.Linear(embed_dim, embed_dim + 2 * kv_dim, bias=bias)
+        else:
+            self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+            self.k_proj = nn.Linear(kdim, kv_dim, bias=bias)
+            self.v_proj = nn.Linear(vdim, kv_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.reset_parameters()
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projection weights (per projection), zero biases; see module doc."""
+        e, kv = self.embed_dim, self.kv_dim
+        with torch.no_grad():
+            if self.in_proj is not None:
+                for rows in self.in_proj.weight.split([e, kv, kv], dim=0):
+                    nn.init.xavier_uniform_(rows)
+            for lin in (self.in_proj, self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+                if lin is None:
+                    continue
+                if lin is not self.in_proj:
+                    nn.init.xavier_uniform_(lin.weight)
+                if lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
+
+    def extra_repr(self) -> str:
+        kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, "
+            f"dropout={self.dropout}, backend={self.backend!r}"
+        )
+
+    def _project(self, x: Tensor, which: int) -> Tensor:
+        """Project with the q (0), k (1) or v (2) rows of the projections."""
+        if self.in_proj is None:
+            lin = (self.q_proj, self.k_proj, self.v_proj)[which]
+            assert lin is not None
+            return lin(x)
+        e, kv = self.embed_dim, self.kv_dim
+        start, size = (0, e) if which == 0 else (e + (which - 1) * kv, kv)
+        w = self.in_proj.weight[start : start + size]
+        b = None if self.in_proj.bias is None else self.in_proj.bias[start : start + size]
+        return F.linear(x, w, b)
+
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        for name, t, width, wname in (
+            ("query", query, self.embed_dim, "embed_dim"),
+            ("key", key, self.kdim, "kdim"),
+            ("value", value, self.vdim, "vdim"),
+        ):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.ndim != 3 or t.shape[-1] != width:
+                raise ValueError(
+                    f"{name} must have shape (b, n, {wname}={width}) (batch first), "
+                    f"got {tuple(t.shape)}"
+                )
+        if not (query.shape[0] == key.shape[0] == value.shape[0]):
+            raise ValueError(
+                f"batch size mismatch: query {tuple(query.shape)}, key {tuple(key.shape)}, "
+                f"value {tuple(value.shape)} must share dim 0 (b)"
+            )
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(
+                f"key and value must have the same length (dim 1); got key "
+                f"{tuple(key.shape)}, value {tuple(value.shape)}"
+            )
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Tensor | MaskFn | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        bias: Tensor | BiasFn | None = None,
+        rope: QKTransform | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attend from ``query`` to ``key``/``value``.
+
+        Args:
+            query: ``(b, i, e)``.
+            key: ``(b, j, kdim)``; ``None`` (or ``query`` itself) means self-attention.
+            value: ``(b, j, vdim)``; ``None`` means ``key``.
+            mask: bool, ``True`` = may attend, broadcastable to ``(b, h, i, j)`` (for example
+                ``attnkit.masks.padding_mask(lengths)`` of shape ``(b, 1, 1, j)``), or a mask
+                function. With a cache, ``j`` counts the cached keys too.
+            is_causal: causal self-attention, aligned bottom-right (see ``KVCache``).
+            need_weights: also return the per-head weights ``(b, h, i, j)``; this runs the
+                ``"math"`` backend when ``backend="auto"``.
+            bias: additive score bias broadcastable to ``(b, h, i, j)``, or a bias function
+                (relative positions, ALiBi).
+            rope: a q/k transform such as ``attnkit.RotaryEmbedding``, applied to queries and
+                new keys at positions ``cache.length ..`` (``0 ..`` without a cache).
+            cache: a ``KVCache`` for incremental self-attention decoding.
+
+        Returns:
+            ``(output (b, i, e), weights (b, h, i, j) or None)``.
+        """
+        self_attention = key is None or (key is query and (value is None or value is query))
+        if key is None:
+            if value is not None:
+                raise ValueError("value was given without key; pass both or neither")
+            key = query
+        value = key if value is None else value
+        if self_attention and not (self.kdim == self.vdim == self.embed_dim):
+            raise ValueError(
+                f"self-attention needs kdim == vdim == embed_dim; this module has kdim="
+                f"{self.kdim}, vdim={self.vdim}, embed_dim={self.embed_dim}: pass key and value"
+            )
+        self._check_inputs(query, key, value)
+        if cache is not None and not self_attention:
+            raise ValueError(
+                "cache is for self-attention (key=None); cross-attention keys do not grow"
+            )
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be an attnkit.KVCache, got {type(cache).__name__}")
+        b, i, _ = query.shape
+        j = key.shape[1]
+        h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+
+        if self_attention and self.in_proj is not None:
+            q, k, v = self.in_proj(query).split([self.embed_dim, self.kv_dim, self.kv_dim], -1)
+        else:
+            q, k, v = self._project(query, 0), self._project(key, 1), self._project(value, 2)
+        q = q.view(b, i, h, d).transpose(1, 2)  # (b, h, i, d)
+        k = k.view(b, j, h_kv, d).transpose(1, 2)  # (b, h_kv, j, d)
+        v = v.view(b, j, h_kv, d).transpose(1, 2)  # (b, h_kv, j, d)
+
+        offset = 0 if cache is None else cache.length
+        if rope is not None:
+            # RoFormer (Su et al. 2021): rotate q and k by their absolute positions, so their dot
+            # product depends only on the relative offset. New keys sit at the queries' positions.
+            q = rope.rotate(q, offset)
+            k = rope.rotate(k, offset)
+        if cache is not None:
+            k, v = cache.append(k, v)  # (b, h_kv, offset + j, d)
+
+        out, weights = self._attend(
+            q, k, v, mask=mask, is_causal=is_causal, need_weights=need_weights, bias=bias
+        )
+        out = out.transpose(1, 2).reshape(b, i, self.embed_dim)  # (b, i, h * d)
+        return self.out_proj(out), weights
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask: Tensor | MaskFn | None,
+        is_causal: bool,
+        need_weights: bool,
+        bias: Tensor | BiasFn | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention over heads: ``q (b, h, i, d)``, ``k, v (b, h_kv, j, d)`` -> ``(b, h, i, d)``.
+
+        The one place the math is called; subclasses (relative positions) override it.
+        """
+        backend = "math" if need_weights and self.backend == "auto" else self.backend
+        result = scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            mask,
+            bias=bias,
+            is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            return_weights=need_weights,
+            backend=backend,
+        )
+        return result if isinstance(result, tuple) else (result, None)
+
+    @classmethod
+    def from_torch(
+        cls, module: nn.MultiheadAttention, *, backend: str = "auto"
+    ) -> MultiHeadAttention:
+        """A ``MultiHeadAttention`` holding a copy of ``nn.MultiheadAttention``'s weights.
+
+        Same dtype and device. The result is always batch-first ``(b, n, e)``, whatever the
+        torch module's ``batch_first``. ``add_bias_kv`` and ``add_zero_attn`` are not supported.
+        """
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"expected nn.MultiheadAttention, got {type(module).__name__}")
+        if module.bias_k is not None or module.add_zero_attn:
+            raise ValueError("add_bias_kv and add_zero_attn have no attnkit equivalent")
+        weight = module.out_proj.weight
+        has_bias = module.out_proj.bias is not None
+        new = cls(
+            module.embed_dim,
+            module.num_heads,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            bias=has_bias,
+            dropout=module.dropout,
+            backend=backend,
+        ).to(dtype=weight.dtype, device=weight.device)
+        e = module.embed_dim
+        with torch.no_grad():
+            if new.in_proj is not None:
+                if module.in_proj_weight is not None:
+                    new.in_proj.weight.copy_(module.in_proj_weight)
+                else:  # torch keeps separate weights whenever kdim/vdim were passed
+                    new.in_proj.weight.copy_(
+                        torch.cat(
+                            [module.q_proj_weight, module.k_proj_weight, module.v_proj_weight]
+                        )
+                    )
+                if has_bias:
+                    new.in_proj.bias.copy_(module.in_proj_bias)
+            else:
+                assert new.q_proj is not None and new.k_proj is not None
+                assert new.v_proj is not None
+                new.q_proj.weight.copy_(module.q_proj_weight)
+                new.k_proj.weight.copy_(module.k_proj_weight)
+                new.v_proj.weight.copy_(module.v_proj_weight)
+                if has_bias:
+                    qb, kb, vb = module.in_proj_bias.split([e, e, e])
+                    new.q_proj.bias.copy_(qb)
+                    new.k_proj.bias.copy_(kb)
+                    new.v_proj.bias.copy_(vb)
+            new.out_proj.weight.copy_(module.out_proj.weight)
+            if has_bias:
+                new.out_proj.bias.copy_(module.out_proj.bias)
+        return new

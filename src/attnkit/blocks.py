@@ -1,0 +1,508 @@
+"""Transformer building blocks: feed-forward, block, encoder and decoder stacks.
+
+Shape vocabulary: ``b`` batch, ``i`` positions of the sequence being processed, ``j`` key
+positions (the memory's length in cross-attention), ``e`` embed_dim, ``h`` heads, ``V`` vocabulary.
+
+Parameter names are stable (other code loads weights into them):
+
+* ``FeedForward``: ``up`` (e -> hidden), ``gate`` (SwiGLU only), ``down`` (hidden -> e).
+* ``TransformerBlock``: ``attn``, ``attn_norm``, ``cross_attn`` / ``cross_norm`` (decoder blocks
+  only), ``ffn``, ``ffn_norm``.
+* ``TransformerEncoder`` / ``TransformerDecoder``: ``embed`` (token embedding, when
+  ``vocab_size`` is set), ``pos`` (absolute positions, if any), ``blocks``, ``norm`` (final norm,
+  pre-norm stacks only). The decoder's output projection is tied to ``embed``.
+
+Initialisation (deliberate, documented once here):
+
+* attention projections: Xavier-uniform, zero biases (see ``attnkit.attention``);
+* feed-forward ``up``/``gate``: Kaiming-uniform for the activation that follows (torch's
+  ``nn.Linear`` default, what ``nn.TransformerEncoderLayer`` uses), ``down`` the same, zero biases;
+* layer norms: weight 1, bias 0, so every block starts as a well-scaled residual update;
+* token embeddings: ``N(0, 1/e)`` and multiplied by ``sqrt(e)`` in the forward (Vaswani et al.
+  2017, section 3.4), so token vectors have unit variance, the scale of the sinusoidal table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from attnkit.attention import KVCache, MultiHeadAttention, QKTransform
+from attnkit.masks import BiasFn, MaskFn
+from attnkit.positional import (
+    LearnedPositionalEmbedding,
+    RelativePositionAttention,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    alibi_fn,
+)
+
+__all__ = [
+    "FeedForward",
+    "TransformerBlock",
+    "TransformerConfig",
+    "TransformerDecoder",
+    "TransformerEncoder",
+]
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,  # exact (erf) GELU, as torch's "gelu" and BERT
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's approximation
+}
+POSITIONAL = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward network (Vaswani et al. 2017, section 3.3).
+
+    ``relu``/``gelu``/``gelu_tanh``: ``down(dropout(act(up(x))))``.
+    ``swiglu`` (Shazeer 2020, "GLU Variants Improve Transformer"):
+    ``down(dropout(silu(gate(x)) * up(x)))``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        hidden_dim: int,
+        *,
+        activation: str = "relu",
+        dropout: float = 0.0,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        if activation not in (*ACTIVATIONS, "swiglu"):
+            raise ValueError(
+                f"activation must be one of {[*ACTIVATIONS, 'swiglu']}, got {activation!r}"
+            )
+        if not isinstance(hidden_dim, int) or hidden_dim <= 0:
+            raise ValueError(f"hidden_dim must be a positive int, got {hidden_dim!r}")
+        self.activation = activation
+        self.up = nn.Linear(embed_dim, hidden_dim, bias=bias)
+        self.gate = nn.Linear(embed_dim, hidden_dim, bias=bias) if activation == "swiglu" else None
+        self.down = nn.Linear(hidden_dim, embed_dim, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for lin in (self.up, self.gate, self.down):
+            if lin is None:
+                continue
+            lin.reset_parameters()  # Kaiming-uniform, torch's Linear default
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gate is not None:
+            hidden = F.silu(self.gate(x)) * self.up(x)  # (b, i, hidden)
+        else:
+            hidden = ACTIVATIONS[self.activation](self.up(x))
+        return self.down(self.dropout(hidden))
+
+
+class TransformerBlock(nn.Module):
+    """One transformer layer: self-attention, optional cross-attention, feed-forward.
+
+    Post-norm (``norm_first=False``, the original paper and the brief)::
+
+        x = attn_norm(x + dropout(self_attn(x)))
+        x = cross_norm(x + dropout(cross_attn(x, memory)))      # decoder blocks only
+        x = ffn_norm(x + dropout(ffn(x)))
+
+    Pre-norm (``norm_first=True``, Xiong et al. 2020; trains without warm-up)::
+
+        x = x + dropout(self_attn(attn_norm(x)))
+        x = x + dropout(cross_attn(cross_norm(x), memory))
+        x = x + dropout(ffn(ffn_norm(x)))
+
+    ``dropout`` is used for attention weights, inside the feed-forward and on each residual
+    branch, as in ``nn.TransformerEncoderLayer``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        ffn_dim: int,
+        *,
+        num_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        activation: str = "relu",
+        norm_first: bool = False,
+        cross_attention: bool = False,
+        eps: float = 1e-5,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        self.attn = MultiHeadAttention(
+            embed_dim, num_heads, num_kv_heads=num_kv_heads, dropout=dropout, backend=backend
+        )
+        self.attn_norm = nn.LayerNorm(embed_dim, eps=eps)
+        self.cross_attn: MultiHeadAttention | None = None
+        self.cross_norm: nn.LayerNorm | None = None
+        if cross_attention:
+            self.cross_attn = MultiHeadAttention(
+                embed_dim, num_heads, num_kv_heads=num_kv_heads, dropout=dropout, backend=backend
+            )
+            self.cross_norm = nn.LayerNorm(embed_dim, eps=eps)
+        self.ffn = FeedForward(embed_dim, ffn_dim, activation=activation, dropout=dropout)
+        self.ffn_norm = nn.LayerNorm(embed_dim, eps=eps)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        mask: Tensor | MaskFn | None = None,
+        is_causal: bool = False,
+        memory: Tensor | None = None,
+        memory_mask: Tensor | MaskFn | None = None,
+        need_weights: bool = False,
+        bias: Tensor | BiasFn | None = None,
+        rope: QKTransform | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``x (b, i, e)`` -> ``(x (b, i, e), self-attention weights (b, h, i, j) or None)``.
+
+        ``mask``, ``is_causal``, ``bias``, ``rope`` and ``cache`` go to the self-attention (see
+        ``MultiHeadAttention.forward``); ``memory (b, j, e)`` and ``memory_mask`` (broadcastable
+        to ``(b, h, i, j)``, e.g. the encoder's padding mask) to the cross-attention.
+        """
+        if self.cross_attn is None and memory is not None:
+            raise ValueError("memory was given but this block has no cross-attention")
+        if self.cross_attn is not None and memory is None:
+            raise ValueError("this block has cross-attention: pass memory (b, j, embed_dim)")
+        kwargs = dict(mask=mask, is_causal=is_causal, need_weights=need_weights, bias=bias)
+        if self.norm_first:
+            h, weights = self.attn(self.attn_norm(x), **kwargs, rope=rope, cache=cache)
+            x = x + self.dropout(h)
+            if self.cross_attn is not None:
+                assert self.cross_norm is not None
+                h, _ = self.cross_attn(self.cross_norm(x), memory, mask=memory_mask)
+                x = x + self.dropout(h)
+            x = x + self.dropout(self.ffn(self.ffn_norm(x)))
+        else:
+            h, weights = self.attn(x, **kwargs, rope=rope, cache=cache)
+            x = self.attn_norm(x + self.dropout(h))
+            if self.cross_attn is not None:
+                assert self.cross_norm is not None
+                h, _ = self.cross_attn(x, memory, mask=memory_mask)
+                x = self.cross_norm(x + self.dropout(h))
+            x = self.ffn_norm(x + self.dropout(self.ffn(x)))
+        return x, weights
+
+    @classmethod
+    def from_torch(
+        cls, layer: nn.TransformerEncoderLayer, *, backend: str = "auto"
+    ) -> TransformerBlock:
+        """A block holding a copy of ``nn.TransformerEncoderLayer``'s weights (same dtype/device).
+
+        Supports ``norm_first`` either way and relu/gelu activations. The result is batch-first
+        whatever the layer's ``batch_first``.
+        """
+        if not isinstance(layer, nn.TransformerEncoderLayer):
+            raise TypeError(f"expected nn.TransformerEncoderLayer, got {type(layer).__name__}")
+        act = layer.activation
+        if act is F.relu or isinstance(act, nn.ReLU):
+            activation = "relu"
+        elif act is F.gelu or (isinstance(act, nn.GELU) and act.approximate == "none"):
+            activation = "gelu"
+        elif isinstance(act, nn.GELU) and act.approximate == "tanh":
+            activation = "gelu_tanh"
+        else:
+            raise ValueError(f"unsupported activation {act!r}: relu and gelu are")
+        if layer.linear1.bias is None or layer.norm1.bias is None:
+            raise ValueError("layers built with bias=False are not supported")
+        sa = layer.self_attn
+        weight = layer.linear1.weight
+        block = cls(
+            sa.embed_dim,
+            sa.num_heads,
+            layer.linear1.out_features,
+            dropout=layer.dropout.p,
+            activation=activation,
+            norm_first=layer.norm_first,
+            eps=layer.norm1.eps,
+            backend=backend,
+        ).to(dtype=weight.dtype, device=weight.device)
+        block.attn = MultiHeadAttention.from_torch(sa, backend=backend)
+        with torch.no_grad():
+            block.ffn.up.load_state_dict(layer.linear1.state_dict())
+            block.ffn.down.load_state_dict(layer.linear2.state_dict())
+            block.attn_norm.load_state_dict(layer.norm1.state_dict())
+            block.ffn_norm.load_state_dict(layer.norm2.state_dict())
+        return block
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Configuration of a ``TransformerEncoder`` or ``TransformerDecoder``.
+
+    ``vocab_size=None`` (encoder only) means the inputs are already vectors ``(b, i, e)`` (for
+    example tabular features turned into tokens); otherwise they are token ids ``(b, i)``.
+    ``positional`` is one of ``"sinusoidal"``, ``"learned"`` (needs ``max_len``), ``"rope"``,
+    ``"alibi"``, ``"relative"`` (Shaw et al. 2018: every block's self-attention is a
+    ``RelativePositionAttention`` with distances clipped at ``max_distance``) or ``"none"``.
+    ``ffn_dim=None`` means ``4 * embed_dim``.
+    ``gradient_checkpointing`` recomputes each block in the backward pass instead of storing its
+    activations (training only; ``torch.utils.checkpoint`` with ``use_reentrant=False``).
+    ``cross_attention`` gives decoder blocks a cross-attention over an encoder's memory.
+    """
+
+    embed_dim: int
+    num_heads: int
+    num_layers: int
+    vocab_size: int | None = None
+    ffn_dim: int | None = None
+    num_kv_heads: int | None = None
+    max_len: int = 512
+    positional: str = "sinusoidal"
+    activation: str = "gelu"
+    norm_first: bool = True
+    dropout: float = 0.0
+    eps: float = 1e-5
+    cross_attention: bool = False
+    gradient_checkpointing: bool = False
+    backend: str = "auto"
+    max_distance: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("embed_dim", "num_heads", "num_layers", "max_len", "max_distance"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.embed_dim % self.num_heads != 0:
+            raise ValueError(
+                f"embed_dim ({self.embed_dim}) must be divisible by num_heads ({self.num_heads})"
+            )
+        if self.positional not in POSITIONAL:
+            raise ValueError(f"positional must be one of {POSITIONAL}, got {self.positional!r}")
+        if self.vocab_size is not None and (
+            not isinstance(self.vocab_size, int) or self.vocab_size <= 0
+        ):
+            raise ValueError(f"vocab_size must be a positive int or None, got {self.vocab_size!r}")
+
+    @property
+    def hidden_dim(self) -> int:
+        return 4 * self.embed_dim if self.ffn_dim is None else self.ffn_dim
+
+
+class _Stack(nn.Module):
+    """Shared parts of the encoder and decoder: embeddings, positions, blocks, final norm."""
+
+    def __init__(self, config: TransformerConfig, *, causal: bool) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.causal = causal
+        self.embed = nn.Embedding(c.vocab_size, c.embed_dim) if c.vocab_size else None
+        self.pos: nn.Module | None = None
+        if c.positional == "sinusoidal":
+            self.pos = SinusoidalPositionalEncoding(c.embed_dim)
+        elif c.positional == "learned":
+            self.pos = LearnedPositionalEmbedding(c.max_len, c.embed_dim)
+        head_dim = c.embed_dim // c.num_heads
+        self.rope = RotaryEmbedding(head_dim) if c.positional == "rope" else None
+        self.dropout = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(
+                c.embed_dim,
+                c.num_heads,
+                c.hidden_dim,
+                num_kv_heads=c.num_kv_heads,
+                dropout=c.dropout,
+                activation=c.activation,
+                norm_first=c.norm_first,
+                cross_attention=c.cross_attention and causal,
+                eps=c.eps,
+                backend=c.backend,
+            )
+            for _ in range(c.num_layers)
+        )
+        if c.positional == "relative":
+            for block in self.blocks:
+                block.attn = RelativePositionAttention(
+                    c.embed_dim,
+                    c.num_heads,
+                    max_distance=c.max_distance,
+                    num_kv_heads=c.num_kv_heads,
+                    dropout=c.dropout,
+                )
+        # A post-norm block already ends in a norm; a pre-norm stack needs one at the end.
+        self.norm = nn.LayerNorm(c.embed_dim, eps=c.eps) if c.norm_first else None
+        if self.embed is not None:
+            nn.init.normal_(self.embed.weight, std=c.embed_dim**-0.5)
+
+    def _embed(self, x: Tensor, offset: int) -> Tensor:
+        c = self.config
+        if self.embed is not None:
+            if x.dtype not in (torch.int64, torch.int32) or x.ndim != 2:
+                raise ValueError(
+                    f"inputs must be token ids (b, i) of an integer dtype (vocab_size="
+                    f"{c.vocab_size}), got dtype {x.dtype} and shape {tuple(x.shape)}"
+                )
+            x = self.embed(x) * math.sqrt(c.embed_dim)  # (b, i, e)
+        elif x.ndim != 3 or x.shape[-1] != c.embed_dim or not x.is_floating_point():
+            raise ValueError(
+                f"inputs must be float vectors (b, i, embed_dim={c.embed_dim}) when vocab_size "
+                f"is None, got dtype {x.dtype} and shape {tuple(x.shape)}"
+            )
+        if self.pos is not None:
+            x = self.pos(x, offset)
+        return self.dropout(x)
+
+    def _run_blocks(
+        self,
+        x: Tensor,
+        *,
+        mask: Tensor | MaskFn | None,
+        is_causal: bool,
+        need_weights: bool,
+        memory: Tensor | None = None,
+        memory_mask: Tensor | MaskFn | None = None,
+        caches: list[KVCache] | None = None,
+    ) -> tuple[Tensor, list[Tensor] | None]:
+        c = self.config
+        offset = caches[0].length if caches else 0
+        bias = None
+        if c.positional == "alibi":
+            # bottom-right: query 0 sits at key position offset (= j - i)
+            bias = alibi_fn(c.num_heads, offset)
+        weights: list[Tensor] = []
+        use_checkpoint = c.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for n, block in enumerate(self.blocks):
+            kwargs = dict(
+                mask=mask,
+                is_causal=is_causal,
+                memory=memory,
+                memory_mask=memory_mask,
+                need_weights=need_weights,
+                bias=bias,
+                rope=self.rope,
+                cache=None if caches is None else caches[n],
+            )
+            if use_checkpoint and caches is None:
+                x, w = checkpoint(block, x, use_reentrant=False, **kwargs)
+            else:
+                x, w = block(x, **kwargs)
+            if w is not None:
+                weights.append(w)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x, (weights if need_weights else None)
+
+
+class TransformerEncoder(_Stack):
+    """Token embedding, positional encoding, ``num_layers`` blocks and a final norm.
+
+    ``forward(x, mask=None, *, is_causal=False, need_weights=False)`` takes token ids ``(b, i)``
+    (or vectors ``(b, i, e)`` when ``vocab_size`` is None) and a bool mask broadcastable to
+    ``(b, h, i, i)`` (``attnkit.masks.padding_mask(lengths)``), and returns
+    ``(hidden (b, i, e), per-layer weights [(b, h, i, i)] * num_layers or None)``.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__(config, causal=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | MaskFn | None = None,
+        *,
+        is_causal: bool = False,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, list[Tensor] | None]:
+        x = self._embed(x, 0)
+        return self._run_blocks(x, mask=mask, is_causal=is_causal, need_weights=need_weights)
+
+
+class TransformerDecoder(_Stack):
+    """Causal decoder: embeddings, blocks with causal self-attention (and cross-attention over an
+    encoder's ``memory`` when ``config.cross_attention``), final norm, and logits through the
+    token embedding (weights tied, Press & Wolf 2017). ``vocab_size`` is required.
+
+    ``forward(ids, memory=None, *, mask=None, memory_mask=None, need_weights=False, caches=None)``
+    returns ``(logits (b, i, V), per-layer self-attention weights or None)``. ``caches`` is one
+    ``KVCache`` per layer (``new_caches()``); positions then continue at ``caches[0].length``.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        if config.vocab_size is None:
+            raise ValueError("TransformerDecoder needs config.vocab_size (it predicts tokens)")
+        super().__init__(config, causal=True)
+
+    def new_caches(self, max_len: int | None = None) -> list[KVCache]:
+        """One empty ``KVCache`` per layer."""
+        return [KVCache(max_len) for _ in self.blocks]
+
+    def forward(
+        self,
+        ids: Tensor,
+        memory: Tensor | None = None,
+        *,
+        mask: Tensor | MaskFn | None = None,
+        memory_mask: Tensor | MaskFn | None = None,
+        need_weights: bool = False,
+        caches: list[KVCache] | None = None,
+    ) -> tuple[Tensor, list[Tensor] | None]:
+        if caches is not None and len(caches) != len(self.blocks):
+            raise ValueError(
+                f"caches must hold one KVCache per layer ({len(self.blocks)}), got {len(caches)}"
+            )
+        offset = caches[0].length if caches else 0
+        x = self._embed(ids, offset)
+        x, weights = self._run_blocks(
+            x,
+            mask=mask,
+            is_causal=True,
+            need_weights=need_weights,
+            memory=memory,
+            memory_mask=memory_mask,
+            caches=caches,
+        )
+        assert self.embed is not None
+        return x @ self.embed.weight.T, weights  # (b, i, V)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        ids: Tensor,
+        max_new_tokens: int,
+        memory: Tensor | None = None,
+        *,
+        memory_mask: Tensor | MaskFn | None = None,
+        eos_id: int | None = None,
+    ) -> Tensor:
+        """Greedy decoding with a KV cache: ``ids (b, i)`` -> ``(b, i + max_new_tokens)``.
+
+        The prompt is processed in one call, then one token per step (each step attends over the
+        cache). Prompts must share a length (no left padding). After ``eos_id`` a sequence keeps
+        emitting ``eos_id``.
+        """
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise ValueError(f"ids must be a non-empty (b, i) prompt, got {tuple(ids.shape)}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        total = ids.shape[1] + max_new_tokens
+        if self.config.positional == "learned" and total > self.config.max_len:
+            raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_len")
+        caches = self.new_caches(total)
+        out = ids
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        step_input = ids
+        for _ in range(max_new_tokens):
+            logits, _ = self(step_input, memory, memory_mask=memory_mask, caches=caches)
+            nxt = logits[:, -1].argmax(dim=-1)  # (b,)
+            if eos_id is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+                done = done | (nxt == eos_id)
+            step_input = nxt.unsqueeze(1)  # (b, 1)
+            out = torch.cat([out, step_input], dim=1)
+        return out

@@ -1,0 +1,113 @@
+"""``attnkit train iris|text``: the worked examples that learn (see ``attnkit.train``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train the Iris or the review classifier; writes a checkpoint and metrics.json",
+        description="Train a worked example; the checkpoint, metrics.json and the attention "
+        "pictures go to --out (default runs/TASK[-VARIANT]-seedN).",
+    )
+    p.add_argument("task", choices=["iris", "text"])
+    p.add_argument("--seed", type=int, default=0, help="seeds the split, the weights, the order")
+    p.add_argument("--out", type=Path, default=None, help="checkpoint directory")
+    p.add_argument("--variant", choices=["scratch", "pretrained"], default="scratch",
+                   help="text only: from-scratch model or fine-tuned MiniLM")  # fmt: skip
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--patience", type=int, default=None, help="0 = no early stopping")
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--max-len", type=int, default=64, help="text: tokens per snippet")
+    p.add_argument("--freeze-layers", type=int, default=None,
+                   help="pretrained: freeze embeddings and this many lower layers")  # fmt: skip
+    p.add_argument("--limit-train", type=int, default=None, help="text: use N training snippets")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: 1 for iris, whose tensors are tiny; 2 for text)")  # fmt: skip
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _train_config(args: argparse.Namespace, default):  # noqa: ANN001, ANN202
+    from dataclasses import asdict
+
+    from attnkit.train import TrainConfig
+
+    changes = {
+        "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
+        "patience": args.patience,
+    }  # fmt: skip
+    return TrainConfig(**{**asdict(default), **{k: v for k, v in changes.items() if v is not None}})
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnkit._io import check_writable
+
+    variant = args.variant if args.task == "text" else "scratch"
+    if args.task == "iris" and args.variant != "scratch":
+        raise ValueError("--variant pretrained is for the text task; iris has one model")
+    suffix = f"-{variant}" if args.task == "text" else ""
+    out = args.out or Path("runs") / f"{args.task}{suffix}-seed{args.seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out / "metrics.json")  # fail now, not after training
+
+    import torch
+
+    from attnkit.train.tasks import format_table
+
+    torch.set_num_threads(args.threads or (1 if args.task == "iris" else 2))
+    progress = False if args.quiet else None
+    sizes = {"d_model": args.d_model, "num_heads": args.heads, "num_layers": args.layers}
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if args.task == "iris":
+        from dataclasses import replace
+
+        from attnkit.models.classifiers import TabularConfig
+        from attnkit.train.iris import IRIS_TRAIN, train_iris
+
+        m = train_iris(
+            seed=args.seed, out=out, model_config=replace(TabularConfig(), **sizes),
+            train_config=_train_config(args, IRIS_TRAIN), resume=args.resume, progress=progress,
+        )  # fmt: skip
+        rows = [["attention (CLS)", m["train_accuracy"], m["val_accuracy"], m["test_accuracy"],
+                 m["params"], m["epochs"], m["seconds"]]]  # fmt: skip
+    else:
+        from attnkit.train.text import PRETRAINED_TRAIN, SCRATCH_TRAIN, train_text
+
+        if variant == "pretrained":
+            if sizes:
+                raise ValueError("--d-model/--heads/--layers are for the scratch model")
+            model_config = {} if args.freeze_layers is None else {"freeze_layers": args.freeze_layers}
+            default = PRETRAINED_TRAIN
+        else:
+            model_config, default = sizes, SCRATCH_TRAIN
+        m = train_text(
+            variant=variant, seed=args.seed, out=out, model_config=model_config,
+            train_config=_train_config(args, default), max_len=args.max_len,
+            resume=args.resume, progress=progress, limit_train=args.limit_train,
+        )  # fmt: skip
+        b = m["baseline"]
+        rows = [
+            ["TF-IDF + logistic regression", b["train_accuracy"], b["val_accuracy"],
+             b["test_accuracy"], "-", "-", b["seconds"]],
+            [f"attention ({variant})", m["train_accuracy"], m["val_accuracy"],
+             m["test_accuracy"], m["params"], m["epochs"], m["seconds"]],
+        ]  # fmt: skip
+        for e in m["examples"]:
+            words = ", ".join(f"{w} {x:.2f}" for w, x in e["top_words"])
+            print(f"[{e['label']} -> {e['predicted']} {e['probability']:.2f}] {e['text'][:90]}")
+            print(f"    most weighted: {words}")
+    header = ["model", "train acc", "val acc", "test acc", "params", "best epoch", "seconds"]
+    print(format_table(rows, header))
+    if args.task == "iris":
+        print("\n".join(m["heads"]))
+    print(f"checkpoint and metrics.json in {out}")
+    return 0

@@ -1,0 +1,1 @@
+"""Models built from attnkit's modules: classifiers for the worked examples, pretrained BERT."""

@@ -1,0 +1,299 @@
+"""The text worked example: fresh/rotten review snippets, three models on one split.
+
+``train_text`` trains either variant and, in the same run, the baseline:
+
+- ``baseline``: TF-IDF (word uni- and bigrams) + logistic regression, scikit-learn;
+- ``scratch``: ``TextAttentionClassifier`` (word embeddings, sinusoidal positions, transformer
+  blocks, attention pooling) with the word-level vocabulary of ``attnkit.train.data``;
+- ``pretrained``: ``PretrainedTextClassifier``, attnkit's BERT with the bundled MiniLM weights,
+  fine-tuned with a mean-pooled linear head.
+
+It then prints, for a few test reviews (the first of each class in the test split, not picked
+by hand), the words the model weighted most: the pooling weights (scratch) or the last layer's
+[CLS] attention averaged over heads (pretrained), and renders them to ``out/words.html`` with
+``attnkit.viz`` when it is installed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnkit.models.classifiers import (
+    PretrainedTextClassifier,
+    TextAttentionClassifier,
+    TextConfig,
+    count_parameters,
+)
+from attnkit.train.checkpoint import (
+    CONFIG_FILE,
+    FORMAT,
+    MODEL_FILE,
+    load_json,
+    load_model_weights,
+    read_config,
+    save_json,
+)
+from attnkit.train.data import RT_LABELS, TextData, Vocab, load_rotten_tomatoes
+from attnkit.train.loop import TrainConfig, evaluate, fit, predict
+
+__all__ = ["PRETRAINED_TRAIN", "SCRATCH_TRAIN", "baseline_tfidf", "train_text"]
+
+SCRATCH_TRAIN = TrainConfig(
+    epochs=8, batch_size=64, lr=1e-3, weight_decay=0.05, warmup_frac=0.05, patience=3
+)
+# Fine-tuning: small learning rate, linear decay (Devlin et al. 2019, appendix A.3), 2 epochs.
+PRETRAINED_TRAIN = TrainConfig(
+    epochs=2, batch_size=32, lr=5e-5, weight_decay=0.01, warmup_frac=0.1, schedule="linear",
+    patience=0,
+)  # fmt: skip
+VOCAB_FILE = "vocab.json"
+
+
+def baseline_tfidf(data: TextData) -> dict[str, float]:
+    """TF-IDF + logistic regression on the same split: the number to beat."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+
+    started = time.perf_counter()
+    vec = TfidfVectorizer(ngram_range=(1, 2), min_df=1, sublinear_tf=True)
+    x_train = vec.fit_transform(data.train_texts)
+    clf = LogisticRegression(C=4.0, max_iter=2000).fit(x_train, data.train_labels.numpy())
+    acc = lambda texts, y: float((clf.predict(vec.transform(texts)) == y.numpy()).mean())  # noqa: E731
+    return {
+        "train_accuracy": round(acc(data.train_texts, data.train_labels), 4),
+        "val_accuracy": round(acc(data.val_texts, data.val_labels), 4),
+        "test_accuracy": round(acc(data.test_texts, data.test_labels), 4),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+# ------------------------------------------------------------------------------------ datasets
+
+
+def _scratch_sets(data: TextData, vocab: Vocab, max_len: int) -> list[dict]:
+    sets = []
+    for texts, labels in (
+        (data.train_texts, data.train_labels),
+        (data.val_texts, data.val_labels),
+        (data.test_texts, data.test_labels),
+    ):
+        ids, mask = vocab.encode(texts, max_len)
+        sets.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return sets
+
+
+def _bert_sets(data: TextData, tokenizer: Any, max_len: int) -> list[dict]:
+    tokenizer.set_max_length(max_len)
+    sets = []
+    for texts, labels in (
+        (data.train_texts, data.train_labels),
+        (data.val_texts, data.val_labels),
+        (data.test_texts, data.test_labels),
+    ):
+        batch = _quiet_tokenize(tokenizer, texts)
+        ids = batch.input_ids[:, :max_len]
+        mask = torch.arange(ids.shape[1])[None, :] < batch.lengths[:, None]  # (n, t)
+        sets.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return sets
+
+
+def _quiet_tokenize(tokenizer: Any, texts: list[str]) -> Any:
+    import warnings
+
+    with warnings.catch_warnings():  # a few long snippets are truncated, as intended
+        warnings.simplefilter("ignore")
+        return tokenizer(texts)
+
+
+# ------------------------------------------------------------------------------------ models
+
+
+def _build(variant: str, config: dict[str, Any], seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if variant == "scratch":
+        return TextAttentionClassifier(TextConfig(**config))
+    if variant == "pretrained":
+        from attnkit.models.bert import load_pretrained
+
+        bert = load_pretrained()
+        return PretrainedTextClassifier(bert.model, **config)
+    raise ValueError(f"variant must be 'scratch' or 'pretrained', got {variant!r}")
+
+
+def _tokenizer() -> Any:
+    from tokenizers import Tokenizer  # noqa: F401  (the `bert` extra; fail here, clearly)
+
+    from attnkit.models.bert import load_pretrained
+
+    return load_pretrained().tokenizer
+
+
+# ------------------------------------------------------------------------------ interpretation
+
+
+def explain(
+    model: torch.nn.Module, dataset: dict, texts: list[str], tokens: list[list[str]], top: int = 5
+) -> list[dict[str, Any]]:
+    """Per review: prediction, probability and the most weighted words (pooling or [CLS] weights)."""
+    model.eval()
+    inputs = {k: v for k, v in dataset.items() if k != "labels"}
+    with torch.no_grad():
+        logits, weights = model(**inputs, return_weights=True)  # (b, c), (b, t)
+    probs = logits.float().softmax(-1)
+    out = []
+    for row, text in enumerate(texts):
+        toks = tokens[row]
+        w = weights[row, : len(toks)].tolist()
+        order = sorted(range(len(toks)), key=lambda k: -w[k])[:top]
+        pred = int(probs[row].argmax())
+        out.append({
+            "text": text, "label": RT_LABELS[int(dataset["labels"][row])],
+            "predicted": RT_LABELS[pred], "probability": round(float(probs[row, pred]), 3),
+            "tokens": toks, "weights": [round(x, 4) for x in w],
+            "top_words": [(toks[k], round(w[k], 3)) for k in order],
+        })  # fmt: skip
+    return out
+
+
+def _pick_examples(labels: torch.Tensor, per_class: int) -> list[int]:
+    """The first ``per_class`` test reviews of each class, in split order (no cherry-picking)."""
+    picks: list[int] = []
+    for cls in range(len(RT_LABELS)):
+        picks += torch.nonzero(labels == cls).flatten()[:per_class].tolist()
+    return sorted(picks)
+
+
+def _render(explained: list[dict[str, Any]], title: str, path: Path) -> bool:
+    try:
+        from attnkit.viz import save_html, token_highlight_html
+    except ImportError:
+        return False
+    parts = [
+        token_highlight_html(
+            e["tokens"], e["weights"],
+            title=f"{title}: {e['label']} (predicted {e['predicted']}, p={e['probability']})",
+        )  # fmt: skip
+        for e in explained
+    ]
+    save_html("\n".join(parts), path)
+    return True
+
+
+# ------------------------------------------------------------------------------------ the task
+
+
+def train_text(
+    *,
+    variant: str = "scratch",
+    seed: int = 0,
+    out: str | Path | None = None,
+    model_config: dict[str, Any] | None = None,
+    train_config: TrainConfig | None = None,
+    max_len: int = 64,
+    resume: bool = False,
+    progress: bool | None = None,
+    baseline: bool = True,
+    examples_per_class: int = 3,
+    limit_train: int | None = None,
+) -> dict[str, Any]:
+    """Train the ``variant`` text classifier (and the baseline) on the seeded split; metrics.
+
+    ``model_config`` overrides the model's settings (``d_model``, ``num_heads``, ``num_layers``,
+    ``dropout`` for scratch; ``freeze_layers``, ``dropout`` for pretrained). ``limit_train`` keeps
+    only the first N training snippets (for quick checks; the reported runs use all).
+    """
+    if variant not in ("scratch", "pretrained"):
+        raise ValueError(f"variant must be 'scratch' or 'pretrained', got {variant!r}")
+    default = SCRATCH_TRAIN if variant == "scratch" else PRETRAINED_TRAIN
+    train_config = TrainConfig(**{**asdict(train_config or default), "seed": seed})
+    out = Path(out) if out is not None else None
+    data = load_rotten_tomatoes(seed)
+    if limit_train is not None:
+        data = TextData(
+            data.train_texts[:limit_train], data.train_labels[:limit_train], data.val_texts,
+            data.val_labels, data.test_texts, data.test_labels,
+        )  # fmt: skip
+    if variant == "scratch":
+        vocab = Vocab.build(data.train_texts)
+        config = {"vocab_size": len(vocab), "max_len": max_len, **(model_config or {})}
+        sets = _scratch_sets(data, vocab, max_len)
+    else:
+        vocab = None
+        config = {"freeze_layers": 0, "dropout": 0.1, **(model_config or {})}
+        sets = _bert_sets(data, _tokenizer(), max_len)
+    run_config = {
+        "format": FORMAT, "task": "text", "variant": variant, "seed": seed, "max_len": max_len,
+        "limit_train": limit_train, "model": config, "train": asdict(train_config),
+    }  # fmt: skip
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        if resume and (out / CONFIG_FILE).exists() and read_config(out) != run_config:
+            raise ValueError(f"{out}: --resume with different settings than the saved run")
+        save_json(out / CONFIG_FILE, run_config)
+        if vocab is not None:
+            save_json(out / VOCAB_FILE, vocab.words)
+
+    base = baseline_tfidf(data) if baseline else None
+    model = _build(variant, config, seed)
+    train, val, test = sets
+    result = fit(model, train, val, train_config, out_dir=out, resume=resume, progress=progress)
+    metrics = _metrics(model, train, val, test)
+    metrics.update(
+        task="text", variant=variant, seed=seed, params=count_parameters(model),
+        trainable_params=count_parameters(model, trainable_only=True),
+        epochs=result.best_epoch, epochs_run=result.epochs_run, seconds=round(result.seconds, 1),
+        n_train=len(data.train_texts), n_val=len(data.val_texts), n_test=len(data.test_texts),
+        baseline=base, max_len=max_len,
+        **{k: config[k] for k in ("d_model", "num_heads", "num_layers") if k in config},
+    )  # fmt: skip
+    picks = _pick_examples(test["labels"], examples_per_class)
+    subset = {k: v[picks] for k, v in test.items()}
+    texts = [data.test_texts[k] for k in picks]
+    if vocab is not None:
+        tokens = [vocab.decode(row.tolist()) for row in subset["input_ids"]]
+    else:
+        tokens = _quiet_tokenize(_tokenizer(), texts).tokens
+    explained = explain(model, subset, texts, tokens)
+    metrics["examples"] = [
+        {k: e[k] for k in ("text", "label", "predicted", "probability", "top_words")}
+        for e in explained
+    ]
+    if out is not None:
+        save_json(out / "words.json", explained)
+        title = "pooling weights" if variant == "scratch" else "last-layer [CLS] attention"
+        metrics["words_html"] = _render(explained, title, out / "words.html")
+        save_json(out / "metrics.json", metrics)
+    return metrics
+
+
+def _metrics(model: torch.nn.Module, train: dict, val: dict, test: dict) -> dict[str, float]:
+    return {
+        f"{name}_accuracy": round(evaluate(model, data, batch_size=128)[1], 4)
+        for name, data in (("train", train), ("val", val), ("test", test))
+    }
+
+
+def evaluate_text(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
+    variant, seed, max_len = config["variant"], int(config["seed"]), int(config["max_len"])
+    data = load_rotten_tomatoes(seed)
+    limit = config.get("limit_train")
+    if limit is not None:
+        data = TextData(
+            data.train_texts[:limit], data.train_labels[:limit], data.val_texts,
+            data.val_labels, data.test_texts, data.test_labels,
+        )  # fmt: skip
+    if variant == "scratch":
+        words = load_json(directory / VOCAB_FILE)
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise ValueError(f"{directory / VOCAB_FILE}: expected a JSON list of words")
+        sets = _scratch_sets(data, Vocab(words), max_len)
+    else:
+        sets = _bert_sets(data, _tokenizer(), max_len)
+    model = _build(variant, config["model"], seed)
+    load_model_weights(model, directory / MODEL_FILE)
+    return {**_metrics(model, *sets), "params": count_parameters(model)}

@@ -1,0 +1,257 @@
+"""MultiHeadAttention against torch's nn.MultiheadAttention, GQA, the KV cache, bad inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from attnkit import KVCache, MultiHeadAttention, RotaryEmbedding, masks
+
+D64 = torch.float64
+
+
+def _torch_mha(e: int, h: int, *, kdim=None, vdim=None, bias=True, seed=0) -> nn.MultiheadAttention:
+    torch.manual_seed(seed)
+    ref = nn.MultiheadAttention(e, h, kdim=kdim, vdim=vdim, bias=bias, batch_first=True)
+    ref = ref.to(D64)
+    with torch.no_grad():  # torch zeroes biases at init; give them values so they are tested
+        for name, p in ref.named_parameters():
+            if "bias" in name:
+                p.normal_()
+    return ref.eval()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_self_attention_equals_torch_with_masks(bias: bool) -> None:
+    e, h, b, n = 24, 4, 3, 7
+    ref = _torch_mha(e, h, bias=bias)
+    mha = MultiHeadAttention.from_torch(ref).eval()
+    x = torch.randn(b, n, e, dtype=D64)
+    lengths = torch.tensor([7, 5, 2])
+    key_padding = torch.arange(n)[None, :] >= lengths[:, None]  # torch: True = ignore
+    attn_mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)  # torch: True = not allowed
+    ref_out, ref_w = ref(
+        x, x, x, key_padding_mask=key_padding, attn_mask=attn_mask, average_attn_weights=False
+    )
+    ours_mask = masks.from_torch(attn_mask, key_padding)
+    out, w = mha(x, mask=ours_mask, need_weights=True)
+    # every row has at least key 0 visible, so torch has no NaN rows here
+    assert not torch.isnan(ref_out).any()
+    assert w is not None and w.shape == (b, h, n, n)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+    torch.testing.assert_close(w, ref_w, atol=1e-10, rtol=0)
+    # the fast path (no weights) gives the same output
+    out_fast, none = mha(x, mask=ours_mask)
+    assert none is None
+    torch.testing.assert_close(out_fast, ref_out, atol=1e-10, rtol=0)
+
+
+def test_per_head_and_float_attn_masks_equal_torch() -> None:
+    e, h, b, n = 16, 4, 2, 5
+    ref = _torch_mha(e, h)
+    mha = MultiHeadAttention.from_torch(ref)
+    x = torch.randn(b, n, e, dtype=D64)
+    torch.manual_seed(3)
+    blocked = torch.rand(b * h, n, n) < 0.4  # torch: (b * h, i, j), True = not allowed
+    blocked[:, :, 0] = False  # keep one key per row: torch would give NaN rows otherwise
+    ref_out, ref_w = ref(x, x, x, attn_mask=blocked, average_attn_weights=False)
+    ours = masks.from_torch(blocked).view(b, h, n, n)  # (b * h, i, j) -> (b, h, i, j)
+    out, w = mha(x, mask=ours, need_weights=True)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+    torch.testing.assert_close(w, ref_w, atol=1e-10, rtol=0)
+    # torch's float mask: 0 = attend, -inf = blocked
+    float_mask = torch.zeros(n, n, dtype=D64).masked_fill(blocked[0], float("-inf"))
+    ref_out, _ = ref(x, x, x, attn_mask=float_mask)
+    out, _ = mha(x, mask=masks.from_torch(float_mask))
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+
+
+def test_cross_attention_kdim_vdim_equals_torch() -> None:
+    e, h, b, i, j = 16, 2, 2, 5, 9  # key length differs from the query's (the brief's bug)
+    ref = _torch_mha(e, h, kdim=6, vdim=10)
+    mha = MultiHeadAttention.from_torch(ref)
+    assert mha.in_proj is None and mha.k_proj is not None
+    q = torch.randn(b, i, e, dtype=D64)
+    k = torch.randn(b, j, 6, dtype=D64)
+    v = torch.randn(b, j, 10, dtype=D64)
+    key_padding = torch.tensor([[False] * 9, [False] * 4 + [True] * 5])
+    ref_out, ref_w = ref(q, k, v, key_padding_mask=key_padding, average_attn_weights=False)
+    out, w = mha(q, k, v, mask=masks.from_torch(key_padding_mask=key_padding), need_weights=True)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+    torch.testing.assert_close(w, ref_w, atol=1e-10, rtol=0)
+
+
+def test_cross_attention_same_dims_uses_fused_rows() -> None:
+    e, h, b = 16, 4, 2
+    ref = _torch_mha(e, h)
+    mha = MultiHeadAttention.from_torch(ref)
+    q = torch.randn(b, 3, e, dtype=D64)
+    mem = torch.randn(b, 11, e, dtype=D64)
+    ref_out, _ = ref(q, mem, mem)
+    out, _ = mha(q, mem)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+
+
+def test_from_torch_not_batch_first_and_fully_masked_rows() -> None:
+    e, h, b, n = 8, 2, 2, 4
+    torch.manual_seed(1)
+    ref = nn.MultiheadAttention(e, h, batch_first=False).to(D64).eval()
+    mha = MultiHeadAttention.from_torch(ref)
+    x = torch.randn(n, b, e, dtype=D64)  # torch: (n, b, e)
+    attn_mask = torch.zeros(n, n, dtype=torch.bool)
+    attn_mask[2] = True  # row 2 fully masked: torch gives NaN, attnkit zeros (then out_proj bias)
+    ref_out, _ = ref(x, x, x, attn_mask=attn_mask)
+    out, w = mha(x.transpose(0, 1), mask=masks.from_torch(attn_mask), need_weights=True)
+    out = out.transpose(0, 1)
+    real = torch.tensor([0, 1, 3])
+    assert torch.isnan(ref_out[2]).all()
+    torch.testing.assert_close(out[real], ref_out[real], atol=1e-10, rtol=0)
+    assert w is not None and (w[:, :, 2] == 0).all()
+    torch.testing.assert_close(out[2], mha.out_proj.bias.expand(b, e))
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads() -> None:
+    e, h, h_kv, b, n = 32, 8, 2, 2, 6
+    torch.manual_seed(0)
+    gqa = MultiHeadAttention(e, h, num_kv_heads=h_kv).to(D64)
+    mha = MultiHeadAttention(e, h).to(D64)
+    d = e // h
+    with torch.no_grad():
+        wq, wk, wv = gqa.in_proj.weight.split([e, h_kv * d, h_kv * d])
+        bq, bk, bv = gqa.in_proj.bias.split([e, h_kv * d, h_kv * d])
+
+        def repeat(t: torch.Tensor) -> torch.Tensor:  # kv head c serves query heads c*g..c*g+g-1
+            return t.unflatten(0, (h_kv, d)).repeat_interleave(h // h_kv, dim=0).flatten(0, 1)
+
+        mha.in_proj.weight.copy_(torch.cat([wq, repeat(wk), repeat(wv)]))
+        mha.in_proj.bias.copy_(torch.cat([bq, repeat(bk), repeat(bv)]))
+        mha.out_proj.load_state_dict(gqa.out_proj.state_dict())
+    x = torch.randn(b, n, e, dtype=D64)
+    pad = masks.padding_mask(torch.tensor([6, 4]))
+    for backend in ("math", "torch"):
+        gqa.backend = mha.backend = backend
+        out_g, _ = gqa(x, mask=pad, is_causal=True)
+        out_m, _ = mha(x, mask=pad, is_causal=True)
+        torch.testing.assert_close(out_g, out_m, atol=1e-12, rtol=0)
+    # K/V projection is h_kv heads wide: the parameters are not per query head
+    assert gqa.in_proj.weight.shape == (e + 2 * h_kv * d, e)
+
+
+def test_gqa_does_not_copy_kv_per_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+    import attnkit.attention as attention_module
+
+    real = attention_module.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen["q"], seen["k"], seen["v"] = q.shape, k.shape, v.shape
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "scaled_dot_product_attention", spy)
+    mqa = MultiHeadAttention(16, 4, num_kv_heads=1)
+    mqa(torch.randn(2, 5, 16))
+    assert seen["q"] == (2, 4, 5, 4) and seen["k"] == (2, 1, 5, 4) and seen["v"] == (2, 1, 5, 4)
+
+
+@pytest.mark.parametrize("num_kv_heads", [None, 2])
+@pytest.mark.parametrize("use_rope", [False, True])
+@pytest.mark.parametrize("max_len", [None, 16])
+def test_kv_cache_decoding_equals_full_causal_forward(num_kv_heads, use_rope, max_len) -> None:
+    e, h, b, n = 16, 4, 2, 9
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(e, h, num_kv_heads=num_kv_heads).to(D64).eval()
+    rope = RotaryEmbedding(e // h) if use_rope else None
+    x = torch.randn(b, n, e, dtype=D64)
+    full, _ = mha(x, is_causal=True, rope=rope)
+    cache = KVCache(max_len)
+    # a 3-token prompt, then one token at a time
+    steps = [mha(x[:, :3], is_causal=True, rope=rope, cache=cache)[0]]
+    for t in range(3, n):
+        steps.append(mha(x[:, t : t + 1], is_causal=True, rope=rope, cache=cache)[0])
+    assert cache.length == n and cache.key.shape == (b, num_kv_heads or h, n, e // h)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-12, rtol=0)
+
+
+def test_causal_output_ignores_future_inputs() -> None:
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 4, num_kv_heads=2).to(D64)
+    x = torch.randn(2, 8, 16, dtype=D64)
+    y = x.clone()
+    y[:, 5:] = torch.randn(2, 3, 16, dtype=D64)
+    out_x, _ = mha(x, is_causal=True)
+    out_y, _ = mha(y, is_causal=True)
+    torch.testing.assert_close(out_x[:, :5], out_y[:, :5], atol=1e-12, rtol=0)
+    assert (out_x[:, 5:] - out_y[:, 5:]).abs().max() > 1e-3
+
+
+def test_dropout_only_in_training() -> None:
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 4, dropout=0.5)
+    x = torch.randn(2, 6, 16)
+    mha.eval()
+    a, _ = mha(x)
+    b, _ = mha(x)
+    torch.testing.assert_close(a, b)
+    mha.train()
+    c, _ = mha(x)
+    assert (c - a).abs().max() > 1e-3
+
+
+def test_bias_is_added_to_scores() -> None:
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(8, 2).to(D64)
+    x = torch.randn(1, 4, 8, dtype=D64)
+    bias = torch.zeros(1, 2, 4, 4, dtype=D64)
+    bias[..., 0] = -1e4  # practically blocks key 0
+    out_bias, w = mha(x, bias=bias, need_weights=True)
+    out_mask, _ = mha(x, mask=torch.tensor([False, True, True, True]).view(1, 1, 1, 4))
+    torch.testing.assert_close(out_bias, out_mask, atol=1e-10, rtol=0)
+    assert w is not None and (w[..., 0] < 1e-100).all()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (dict(embed_dim=10, num_heads=3), "divisible by num_heads"),
+        (dict(embed_dim=16, num_heads=4, num_kv_heads=3), "must divide num_heads"),
+        (dict(embed_dim=0, num_heads=1), "embed_dim must be a positive int"),
+        (dict(embed_dim=8, num_heads=2, dropout=1.0), "dropout"),
+    ],
+)
+def test_bad_configuration(kwargs, words) -> None:
+    with pytest.raises(ValueError, match=words):
+        MultiHeadAttention(**kwargs)
+
+
+def test_bad_inputs_name_the_problem() -> None:
+    mha = MultiHeadAttention(8, 2)
+    with pytest.raises(ValueError, match=r"query must have shape \(b, n, embed_dim=8\)"):
+        mha(torch.randn(2, 3, 6))
+    with pytest.raises(ValueError, match=r"key must have shape \(b, n, kdim=8\)"):
+        mha(torch.randn(2, 3, 8), torch.randn(2, 5, 7))
+    with pytest.raises(ValueError, match="batch size mismatch"):
+        mha(torch.randn(2, 3, 8), torch.randn(3, 5, 8))
+    with pytest.raises(ValueError, match="same length"):
+        mha(torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 4, 8))
+    with pytest.raises(ValueError, match="batch first"):
+        mha(torch.randn(3, 8))
+    cross = MultiHeadAttention(8, 2, kdim=4)
+    with pytest.raises(ValueError, match="self-attention needs kdim"):
+        cross(torch.randn(2, 3, 8))
+    with pytest.raises(ValueError, match="cache is for self-attention"):
+        mha(torch.randn(2, 3, 8), torch.randn(2, 5, 8), cache=KVCache())
+
+
+def test_cache_from_another_shape_is_refused() -> None:
+    cache = KVCache()
+    MultiHeadAttention(8, 2)(torch.randn(2, 3, 8), cache=cache)
+    with pytest.raises(ValueError, match="cache holds keys"):
+        MultiHeadAttention(8, 4)(torch.randn(2, 1, 8), cache=cache)  # other head count
+    with pytest.raises(ValueError, match="cache holds keys"):
+        MultiHeadAttention(8, 2)(torch.randn(3, 1, 8), cache=cache)  # other batch
+    full = KVCache(max_len=4)
+    mha = MultiHeadAttention(8, 2)
+    mha(torch.randn(1, 3, 8), cache=full)
+    with pytest.raises(ValueError, match="KVCache is full"):
+        mha(torch.randn(1, 2, 8), cache=full)

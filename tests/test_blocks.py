@@ -1,0 +1,213 @@
+"""Blocks and stacks: parity with nn.TransformerEncoderLayer, caches, checkpointing, invariants."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnkit import (
+    FeedForward,
+    TransformerBlock,
+    TransformerConfig,
+    TransformerDecoder,
+    TransformerEncoder,
+    masks,
+)
+
+D64 = torch.float64
+
+
+def _torch_layer(norm_first: bool, activation: str, batch_first: bool = True):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(
+        24,
+        4,
+        40,
+        dropout=0.0,
+        activation=activation,
+        norm_first=norm_first,
+        batch_first=batch_first,
+    ).to(D64)
+    with torch.no_grad():  # non-trivial biases and norm parameters, so every one is tested
+        for p in layer.parameters():
+            if p.ndim == 1:
+                p.normal_()
+    return layer
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_block_equals_torch_encoder_layer(norm_first: bool, activation: str) -> None:
+    layer = _torch_layer(norm_first, activation)
+    block = TransformerBlock.from_torch(layer)
+    assert block.norm_first == norm_first and block.ffn.activation == activation
+    x = torch.randn(3, 7, 24, dtype=D64)
+    lengths = torch.tensor([7, 4, 1])
+    key_padding = torch.arange(7)[None, :] >= lengths[:, None]  # torch: True = ignore
+    layer.train()  # train mode with dropout 0: no fast path, every position is computed
+    block.train()
+    ref = layer(x, src_key_padding_mask=key_padding)
+    out, _ = block(x, mask=masks.from_torch(key_padding_mask=key_padding))
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    # eval mode: torch's fast path may zero padded positions; compare the real tokens
+    layer.eval()
+    block.eval()
+    with torch.no_grad():
+        ref = layer(x, src_key_padding_mask=key_padding)
+        out, _ = block(x, mask=masks.from_torch(key_padding_mask=key_padding))
+    real = ~key_padding
+    torch.testing.assert_close(out[real], ref[real], atol=1e-10, rtol=0)
+
+
+def test_block_from_torch_sequence_first_causal() -> None:
+    layer = _torch_layer(True, "gelu", batch_first=False)
+    block = TransformerBlock.from_torch(layer)
+    x = torch.randn(6, 2, 24, dtype=D64)  # torch: (n, b, e)
+    causal = nn.Transformer.generate_square_subsequent_mask(6, dtype=D64)
+    ref = layer(x, src_mask=causal, is_causal=True)
+    out, _ = block(x.transpose(0, 1), is_causal=True)
+    torch.testing.assert_close(out.transpose(0, 1), ref, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "swiglu"])
+def test_feed_forward_against_formula(activation: str) -> None:
+    torch.manual_seed(0)
+    ffn = FeedForward(8, 12, activation=activation).to(D64)
+    x = torch.randn(2, 3, 8, dtype=D64)
+    up = x @ ffn.up.weight.T + ffn.up.bias
+    if activation == "swiglu":
+        gate = x @ ffn.gate.weight.T + ffn.gate.bias
+        hidden = gate * torch.sigmoid(gate) * up
+    elif activation == "relu":
+        hidden = up.clamp(min=0)
+    elif activation == "gelu":
+        hidden = 0.5 * up * (1 + torch.erf(up / 2**0.5))
+    else:
+        hidden = F.gelu(up, approximate="tanh")
+    expected = hidden @ ffn.down.weight.T + ffn.down.bias
+    torch.testing.assert_close(ffn(x), expected, atol=1e-12, rtol=0)
+    assert (ffn.gate is not None) == (activation == "swiglu")
+
+
+def test_feed_forward_bad_activation() -> None:
+    with pytest.raises(ValueError, match="activation must be one of"):
+        FeedForward(8, 12, activation="tanh")
+
+
+CFG = TransformerConfig(embed_dim=16, num_heads=4, num_layers=2, vocab_size=23, ffn_dim=24)
+
+
+@pytest.mark.parametrize(
+    "positional", ["sinusoidal", "learned", "rope", "alibi", "relative", "none"]
+)
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_shapes_weights_and_padding(positional: str, norm_first: bool) -> None:
+    cfg = dataclasses.replace(CFG, positional=positional, norm_first=norm_first)
+    torch.manual_seed(0)
+    enc = TransformerEncoder(cfg).to(D64).eval()
+    ids = torch.randint(0, 23, (2, 6))
+    pad = masks.padding_mask(torch.tensor([6, 3]))
+    hidden, weights = enc(ids, pad, need_weights=True)
+    assert hidden.shape == (2, 6, 16)
+    assert weights is not None and len(weights) == 2
+    for w in weights:
+        assert w.shape == (2, 4, 6, 6)
+        torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 6, dtype=D64))
+        assert (w[1, :, :, 3:] == 0).all()  # padded keys get no weight
+    # padded positions do not influence real ones
+    ids2 = ids.clone()
+    ids2[1, 3:] = (ids2[1, 3:] + 1) % 23
+    hidden2, none = enc(ids2, pad)
+    assert none is None
+    torch.testing.assert_close(hidden2[1, :3], hidden[1, :3], atol=1e-12, rtol=0)
+
+
+def test_encoder_on_vectors_and_bad_inputs() -> None:
+    cfg = dataclasses.replace(CFG, vocab_size=None)
+    enc = TransformerEncoder(cfg)
+    out, _ = enc(torch.randn(2, 4, 16))
+    assert out.shape == (2, 4, 16)
+    with pytest.raises(ValueError, match=r"float vectors \(b, i, embed_dim=16\)"):
+        enc(torch.randn(2, 4, 8))
+    with pytest.raises(ValueError, match="token ids"):
+        TransformerEncoder(CFG)(torch.randn(2, 4, 16))
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        TransformerConfig(embed_dim=10, num_heads=4, num_layers=1)
+    with pytest.raises(ValueError, match="positional must be one of"):
+        TransformerConfig(embed_dim=8, num_heads=2, num_layers=1, positional="xyz")
+
+
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope", "alibi", "relative"])
+def test_decoder_cache_equals_full_forward_and_is_causal(positional: str) -> None:
+    cfg = dataclasses.replace(CFG, positional=positional, cross_attention=True, num_kv_heads=2)
+    torch.manual_seed(0)
+    dec = TransformerDecoder(cfg).to(D64).eval()
+    ids = torch.randint(0, 23, (2, 7))
+    memory = torch.randn(2, 5, 16, dtype=D64)
+    memory_mask = masks.padding_mask(torch.tensor([5, 2]))
+    full, _ = dec(ids, memory, memory_mask=memory_mask)
+    caches = dec.new_caches()
+    steps = [dec(ids[:, :2], memory, memory_mask=memory_mask, caches=caches)[0]]
+    for t in range(2, 7):
+        steps.append(dec(ids[:, t : t + 1], memory, memory_mask=memory_mask, caches=caches)[0])
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-10, rtol=0)
+    # causality: changing tokens after t leaves logits up to t unchanged
+    ids2 = ids.clone()
+    ids2[:, 4:] = (ids2[:, 4:] + 3) % 23
+    full2, _ = dec(ids2, memory, memory_mask=memory_mask)
+    torch.testing.assert_close(full2[:, :4], full[:, :4], atol=1e-12, rtol=0)
+
+
+def test_generate_greedy_matches_recomputation() -> None:
+    cfg = dataclasses.replace(CFG, positional="rope")
+    torch.manual_seed(1)
+    dec = TransformerDecoder(cfg).to(D64).eval()
+    prompt = torch.randint(0, 23, (2, 3))
+    out = dec.generate(prompt, 5)
+    assert out.shape == (2, 8) and torch.equal(out[:, :3], prompt)
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(5):  # no cache: the whole sequence every step
+            logits, _ = dec(ids)
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, ids)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_checkpointing_gives_the_same_gradients(norm_first: bool) -> None:
+    cfg = dataclasses.replace(CFG, norm_first=norm_first, positional="alibi")
+    torch.manual_seed(0)
+    plain = TransformerEncoder(cfg).to(D64).train()
+    ckpt = TransformerEncoder(dataclasses.replace(cfg, gradient_checkpointing=True)).to(D64)
+    ckpt.load_state_dict(plain.state_dict())
+    ckpt.train()
+    ids = torch.randint(0, 23, (2, 6))
+    pad = masks.padding_mask(torch.tensor([6, 4]))
+    for model in (plain, ckpt):
+        out, _ = model(ids, pad)
+        (out**2).sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-12, rtol=0, msg=name)
+
+
+def test_checkpointing_actually_recomputes() -> None:
+    cfg = dataclasses.replace(CFG, gradient_checkpointing=True)
+    enc = TransformerEncoder(cfg).train()
+    calls = []
+    enc.blocks[0].attn.register_forward_pre_hook(lambda *a: calls.append(1))
+    out, _ = enc(torch.randint(0, 23, (1, 4)))
+    out.sum().backward()
+    assert len(calls) == 2  # forward, then again in the backward pass
+
+
+def test_block_cross_attention_errors() -> None:
+    block = TransformerBlock(8, 2, 16, cross_attention=True)
+    with pytest.raises(ValueError, match="pass memory"):
+        block(torch.randn(1, 3, 8))
+    with pytest.raises(ValueError, match="no cross-attention"):
+        TransformerBlock(8, 2, 16)(torch.randn(1, 3, 8), memory=torch.randn(1, 2, 8))
