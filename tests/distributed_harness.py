@@ -40,7 +40,8 @@ def _entry(rank: int, fn: Callable[..., None], world_size: int, port: int, args:
     try:
         fn(rank, world_size, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # the worker may have torn it down itself
+            dist.destroy_process_group()
 
 
 def run_workers(fn: Callable[..., None], world_size: int, *args: object, timeout: float = 150):

@@ -24,19 +24,26 @@ nothing here does anything, so the same training code serves both cases::
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from attnkit.train.loop import TrainConfig
 
 __all__ = [
     "DistEnv",
     "all_reduce_mean",
     "barrier",
+    "current_env",
     "launched_by_torchrun",
     "make_sampler",
+    "prepare_fit",
     "setup",
     "teardown",
     "unwrap_model",
@@ -114,6 +121,13 @@ def setup(backend: str | None = None, timeout_s: float = 300.0) -> DistEnv:
     return DistEnv(rank, world_size, local_rank, backend, initialized_here=True)
 
 
+def current_env() -> DistEnv:
+    """The job this process belongs to, from the initialised default group; never initialises."""
+    if dist.is_available() and dist.is_initialized():
+        return setup()
+    return DistEnv()
+
+
 def teardown(env: DistEnv) -> None:
     """Destroy the process group if ``setup`` created it."""
     if env.initialized_here and dist.is_initialized():
@@ -185,3 +199,48 @@ def barrier(env: DistEnv) -> None:
     """Wait for every rank (e.g. before others read a file rank 0 just wrote)."""
     if env.distributed:
         dist.barrier()
+
+
+def prepare_fit(
+    model: nn.Module,
+    config: TrainConfig,
+    env: DistEnv,
+    sampler: Callable[[int, int], Tensor] | None = None,
+) -> tuple[nn.Module, TrainConfig, dict[str, Any]]:
+    """Adapt a run of ``attnkit.train.fit`` to data parallelism, through fit's seams.
+
+    ``config.batch_size`` stays the *global* batch: each of the ``W`` ranks takes
+    ``batch_size / W`` examples per step, so a run under ``torchrun`` makes the same optimizer
+    steps, with the same learning-rate schedule, as one process. The epoch order is fit's own
+    seeded shuffle (or ``sampler``), cut by ``DistributedSampler`` (``shuffle=False``: the order
+    is already shuffled): rank ``r`` takes positions ``r, r + W, ...``, so at every step the
+    ranks' batches together are exactly the single-process batch. When ``W`` does not divide
+    the number of examples the sampler repeats a few of them, as DistributedSampler does, so
+    every rank makes the same number of steps (DDP needs that).
+
+    Returns ``(model, config, fit_kwargs)``: the DDP-wrapped model, the config with the per-rank
+    batch size, and ``sampler`` / ``is_writer`` (rank 0 only) for ``fit``. On a world of one it
+    returns the inputs unchanged.
+    """
+    if not env.distributed:
+        return model, config, {"is_writer": True}
+    if config.batch_size % env.world_size:
+        raise ValueError(
+            f"--batch-size is the global batch and must be divisible by the number of "
+            f"processes: {config.batch_size} is not divisible by {env.world_size}"
+        )
+    from torch.utils.data import DistributedSampler
+
+    from attnkit.train.loop import shuffled_order
+
+    base = sampler or shuffled_order(config.seed)
+
+    def shard(n: int, epoch: int) -> Tensor:
+        order = base(n, epoch)  # the single-process order of this epoch
+        mine = DistributedSampler(
+            range(len(order)), num_replicas=env.world_size, rank=env.rank, shuffle=False
+        )
+        return order[torch.tensor(list(mine), dtype=torch.long)]  # positions r, r + W, ...
+
+    per_rank = replace(config, batch_size=config.batch_size // env.world_size)
+    return wrap_model(model, env), per_rank, {"sampler": shard, "is_writer": env.is_main}
