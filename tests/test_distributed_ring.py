@@ -38,7 +38,7 @@ def _alibi(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -
     return -(2.0 ** -(h + 1).double()) * (i - j).abs().double()
 
 
-# (name, layout, is_causal, n_q, n_k, mask fn, bias fn)
+# (name, layout, is_causal, n_q, n_k, mask fn, bias fn[, key/value heads]); 3 query heads
 CASES = [
     ("full contiguous", "contiguous", False, 24, 24, None, None),
     ("causal contiguous", "contiguous", True, 24, 24, None, None),
@@ -50,16 +50,18 @@ CASES = [
     ("causal zigzag n_q=24 > n_k=16 (masked rows)", "zigzag", True, 24, 16, None, None),
     ("window mask fn + alibi bias fn", "contiguous", False, 24, 24, window_fn(5, 2), _alibi),
     ("causal zigzag + window mask fn", "zigzag", True, 24, 24, window_fn(6), None),
+    ("causal zigzag grouped-query h_kv=1", "zigzag", True, 24, 24, None, None, 1),
 ]
 
 
 def _check_case(rank: int, world: int, case: tuple) -> dict[str, float]:
-    name, layout, causal, n_q, n_k, mask, bias = case
+    name, layout, causal, n_q, n_k, mask, bias = case[:7]
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # same on every rank
     b, h, d, dv = 2, 3, 8, 5
+    h_kv = case[7] if len(case) > 7 else h
     q = torch.randn(b, h, n_q, d, generator=gen, dtype=torch.float64)
-    k = torch.randn(b, h, n_k, d, generator=gen, dtype=torch.float64)
-    v = torch.randn(b, h, n_k, dv, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, h_kv, n_k, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, h_kv, n_k, dv, generator=gen, dtype=torch.float64)
     grad = torch.randn(b, h, n_q, dv, generator=gen, dtype=torch.float64)
 
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -136,8 +138,8 @@ def test_world_of_one_in_process() -> None:
             ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
             for g, r in zip(grads, ref_grads, strict=True):
                 assert (g - r).abs().max().item() < TOL
-            with pytest.raises(NotImplementedError, match="grouped-query"):
-                ring_attention(q, k[:, :1], v[:, :1])
+            with pytest.raises(ValueError, match="grouped-query"):
+                ring_attention(q[:, :1], k, v)  # 1 query head, 2 key/value heads
         finally:
             dist.destroy_process_group()
 

@@ -20,9 +20,9 @@ block. The query gradient stays local. The per-block math is the tiled backend's
 (forward: partial output and log-sum-exp; backward: gradients given the *global* output and
 log-sum-exp), exactly as a single process runs it over its own tiles.
 
-Shape vocabulary: ``b`` batch, ``h`` heads, ``i`` local query positions, ``j`` key positions of
-one block, ``d`` query/key width, ``dv`` value width. Masks follow ``attnkit.masks``
-(``True`` = may attend), evaluated on **global** positions.
+Shape vocabulary: ``b`` batch, ``h`` query heads, ``h_kv`` key/value heads, ``i`` local query
+positions, ``j`` key positions of one block, ``d`` query/key width, ``dv`` value width. Masks
+follow ``attnkit.masks`` (``True`` = may attend), evaluated on **global** positions.
 
 Causal alignment is the single-process rule on global positions: query ``q`` sees keys
 ``k <= q + (n_k - n_q)`` (bottom-right; equal to top-left when queries and keys are the same
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from attnkit.distributed._blockstep import backward_blocks, forward_blocks, merge
+from attnkit.backends.tiled import backward_blocks, forward_blocks, merge
 from attnkit.distributed.layout import LAYOUTS, Layout, Segments, shard_lengths, shard_segments
 from attnkit.masks import BiasFn, MaskFn, causal_fn
 
@@ -71,8 +71,9 @@ def ring_attention(
 
     Args:
         query: this rank's shard ``(b, h, i, d)`` of the queries.
-        key: this rank's shard ``(b, h, j, d)`` of the keys, laid out like the queries.
-        value: this rank's shard ``(b, h, j, dv)``.
+        key: this rank's shard ``(b, h_kv, j, d)`` of the keys, laid out like the queries;
+            ``h_kv`` may divide ``h`` (grouped-query attention, served by the block step).
+        value: this rank's shard ``(b, h_kv, j, dv)``.
         mask: a mask *function* ``fn(b, h, i, j) -> bool`` over **global** positions
             (``attnkit.masks.window_fn`` for a sliding window, ...). A dense mask tensor would
             need every rank to hold the full ``(i, j)`` grid, which is what ring attention
@@ -153,10 +154,10 @@ def _make_plan(
         )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"query and key must have the same last dim d; got {shapes}")
-    if q.shape[1] != k.shape[1]:
-        raise NotImplementedError(
-            f"ring_attention needs as many key/value heads as query heads (grouped-query "
-            f"attention is not supported); got {shapes}"
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"key/value heads ({k.shape[1]}) must equal or divide query heads ({q.shape[1]}) "
+            f"for grouped-query attention; got {shapes}"
         )
     if mask is not None and not callable(mask):
         raise ValueError(
@@ -192,20 +193,18 @@ def _make_plan(
         raise ValueError("group: this process is not a member of the given process group")
     # One all_gather so every rank knows every shard's length, and mismatches fail loudly here
     # instead of as a hang inside a point-to-point exchange.
-    mine = [*q.shape[:2], q.shape[3], v.shape[3], q.shape[2], k.shape[2]]
-    mine += [int(is_causal), LAYOUTS.index(layout)]
-    meta = torch.tensor(mine, dtype=torch.int64, device=q.device)
+    agreed = [q.shape[0], q.shape[1], k.shape[1], q.shape[3], v.shape[3]]
+    agreed += [int(is_causal), LAYOUTS.index(layout)]
+    meta = torch.tensor([*agreed, q.shape[2], k.shape[2]], dtype=torch.int64, device=q.device)
     everyone = [torch.empty_like(meta) for _ in range(world_size)]
     dist.all_gather(everyone, meta, group=group)
-    table = torch.stack(everyone).cpu()  # (world, 8)
-    if not bool((table[:, [0, 1, 2, 3, 6, 7]] == table[rank, [0, 1, 2, 3, 6, 7]]).all()):
+    table = torch.stack(everyone).cpu()  # (world, 9): the agreed fields, then the two lengths
+    if not bool((table[:, :7] == table[rank, :7]).all()):
         raise ValueError(
-            "ranks disagree on (b, h, d, dv, is_causal, layout): "
-            + "; ".join(
-                f"rank {r}: {row[[0, 1, 2, 3, 6, 7]].tolist()}" for r, row in enumerate(table)
-            )
+            "ranks disagree on (b, h, h_kv, d, dv, is_causal, layout): "
+            + "; ".join(f"rank {r}: {row[:7].tolist()}" for r, row in enumerate(table))
         )
-    q_lengths, k_lengths = table[:, 4].tolist(), table[:, 5].tolist()
+    q_lengths, k_lengths = table[:, 7].tolist(), table[:, 8].tolist()
     n_q, n_k = sum(q_lengths), sum(k_lengths)
     for name, got, n in (("query", q_lengths, n_q), ("key", k_lengths, n_k)):
         expected = shard_lengths(n, world_size, layout)  # type: ignore[arg-type]
@@ -277,6 +276,12 @@ def _exchange(send: Tensor, recv: Tensor, plan: _Plan, tag: int) -> list[dist.Wo
     return dist.batch_isend_irecv(ops)
 
 
+def _block_buffer(like: Tensor, plan: _Plan, owner: int, dtype: torch.dtype) -> Tensor:
+    """An empty ``(b, h_kv, j_owner, d + dv)`` tensor for the key/value block of rank ``owner``."""
+    b, h_kv, _, width = like.shape
+    return like.new_empty((b, h_kv, plan.k_lengths[owner], width), dtype=dtype)
+
+
 def _wait(works: list[dist.Work]) -> None:
     for work in works:
         work.wait()
@@ -287,13 +292,14 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor,
     dv = v.shape[-1]
     acc = torch.promote_types(q.dtype, torch.float32)  # accumulate in float32 (float64 stays)
     out = q.new_zeros((b, h, i, dv), dtype=acc)
-    lse = q.new_full((b, h, i), float("-inf"), dtype=acc)  # log-sum-exp of 0 terms
-    kv = torch.cat([k, v], dim=-1)  # (b, h, j, d + dv): one message per hop
+    # "Saw no key yet": the block step's convention is the finite minimum, not -inf.
+    lse = q.new_full((b, h, i), torch.finfo(acc).min, dtype=acc)
+    kv = torch.cat([k, v], dim=-1)  # (b, h_kv, j, d + dv): one message per hop
     for step in range(plan.world_size):
         src = (plan.rank - step) % plan.world_size  # whose block we hold now
         works: list[dist.Work] = []
         if step + 1 < plan.world_size:  # start the next hop before computing on this block
-            incoming = kv.new_empty((b, h, plan.k_lengths[(src - 1) % plan.world_size], d + dv))
+            incoming = _block_buffer(kv, plan, (src - 1) % plan.world_size, kv.dtype)
             works = _exchange(kv, incoming, plan, _TAG_KV)
         for qs, ks, keywords in _block_pairs(plan, src):
             part_out, part_lse = forward_blocks(
@@ -309,20 +315,19 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor,
 def _ring_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, plan: _Plan
 ) -> tuple[Tensor, Tensor, Tensor]:
-    b, h, _, d = q.shape
-    dv = v.shape[-1]
+    d = q.shape[-1]
     acc = torch.promote_types(q.dtype, torch.float32)
     grad_q = q.new_zeros(q.shape, dtype=acc)
-    kv = torch.cat([k, v], dim=-1)  # (b, h, j, d + dv)
+    kv = torch.cat([k, v], dim=-1)  # (b, h_kv, j, d + dv)
     carried: Tensor | None = None  # the (dK, dV) accumulator arriving from the previous rank
     carried_works: list[dist.Work] = []
     for step in range(plan.world_size):
         src = (plan.rank - step) % plan.world_size
         kv_works: list[dist.Work] = []
         if step + 1 < plan.world_size:
-            incoming = kv.new_empty((b, h, plan.k_lengths[(src - 1) % plan.world_size], d + dv))
+            incoming = _block_buffer(kv, plan, (src - 1) % plan.world_size, kv.dtype)
             kv_works = _exchange(kv, incoming, plan, _TAG_KV)
-        grad_kv = q.new_zeros((b, h, plan.k_lengths[src], d + dv), dtype=acc)  # block src
+        grad_kv = _block_buffer(kv, plan, src, acc).zero_()  # (dK, dV) of block src
         for qs, ks, keywords in _block_pairs(plan, src):
             dq, dk, dvv = backward_blocks(
                 q[:, :, qs],
@@ -345,7 +350,7 @@ def _ring_backward(
             break
         # Pass the accumulator on: the next rank holds block src at its next step, and after
         # the last step the next rank is src itself, the owner.
-        carried = grad_kv.new_empty((b, h, plan.k_lengths[(src - 1) % plan.world_size], d + dv))
+        carried = _block_buffer(kv, plan, (src - 1) % plan.world_size, acc)
         carried_works = _exchange(grad_kv, carried, plan, _TAG_DKV)
         if kv_works:
             kv = incoming
