@@ -51,7 +51,7 @@ from attnkit.masks import BiasFn, MaskFn, causal_fn
 
 __all__ = ["ring_attention"]
 
-_TAG_KV, _TAG_DKV = 1, 2  # separate message streams: gloo matches sends to receives by tag
+_TAG_KV, _TAG_DKV = 10, 20  # message streams (+0 keys, +1 values): gloo matches by tag
 
 
 def ring_attention(
@@ -267,17 +267,21 @@ def _both(first: MaskFn, second: MaskFn) -> MaskFn:
     return both
 
 
-def _exchange(send: Tensor, recv: Tensor, plan: _Plan, tag: int) -> list[dist.Work]:
+def _exchange(send: list[Tensor], recv: list[Tensor], plan: _Plan, tag: int) -> list[dist.Work]:
     """Send ``send`` to the next rank and receive ``recv`` from the previous one, asynchronously."""
     ops = [
-        dist.P2POp(dist.isend, send, group=plan.group, group_peer=plan.next, tag=tag),
-        dist.P2POp(dist.irecv, recv, group=plan.group, group_peer=plan.prev, tag=tag),
+        dist.P2POp(dist.isend, t, group=plan.group, group_peer=plan.next, tag=tag + n)
+        for n, t in enumerate(send)
+    ]
+    ops += [
+        dist.P2POp(dist.irecv, t, group=plan.group, group_peer=plan.prev, tag=tag + n)
+        for n, t in enumerate(recv)
     ]
     return dist.batch_isend_irecv(ops)
 
 
-def _block_buffer(like: Tensor, plan: _Plan, owner: int, dtype: torch.dtype) -> Tensor:
-    """An empty ``(b, h_kv, j_owner, d + dv)`` tensor for the key/value block of rank ``owner``."""
+def _empty_block(like: Tensor, plan: _Plan, owner: int, dtype: torch.dtype) -> Tensor:
+    """An empty ``(b, h_kv, j_owner, width)`` tensor for the block of keys of rank ``owner``."""
     b, h_kv, _, width = like.shape
     return like.new_empty((b, h_kv, plan.k_lengths[owner], width), dtype=dtype)
 
@@ -288,76 +292,75 @@ def _wait(works: list[dist.Work]) -> None:
 
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
-    b, h, i, d = q.shape
-    dv = v.shape[-1]
+    b, h, i, _ = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # accumulate in float32 (float64 stays)
-    out = q.new_zeros((b, h, i, dv), dtype=acc)
+    out = q.new_zeros((b, h, i, v.shape[-1]), dtype=acc)  # (b, h, i, dv)
     # "Saw no key yet": the block step's convention is the finite minimum, not -inf.
     lse = q.new_full((b, h, i), torch.finfo(acc).min, dtype=acc)
-    kv = torch.cat([k, v], dim=-1)  # (b, h_kv, j, d + dv): one message per hop
+    k, v = k.contiguous(), v.contiguous()  # sent as messages (a shard may be a strided view)
     for step in range(plan.world_size):
-        src = (plan.rank - step) % plan.world_size  # whose block we hold now
+        src = (plan.rank - step) % plan.world_size  # whose block (k, v) we hold now
         works: list[dist.Work] = []
         if step + 1 < plan.world_size:  # start the next hop before computing on this block
-            incoming = _block_buffer(kv, plan, (src - 1) % plan.world_size, kv.dtype)
-            works = _exchange(kv, incoming, plan, _TAG_KV)
+            prev = (src - 1) % plan.world_size
+            incoming = [_empty_block(t, plan, prev, t.dtype) for t in (k, v)]
+            works = _exchange([k, v], incoming, plan, _TAG_KV)
         for qs, ks, keywords in _block_pairs(plan, src):
-            part_out, part_lse = forward_blocks(
-                q[:, :, qs], kv[:, :, ks, :d], kv[:, :, ks, d:], **keywords
-            )
+            part_out, part_lse = forward_blocks(q[:, :, qs], k[:, :, ks], v[:, :, ks], **keywords)
             out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], part_out, part_lse)
         _wait(works)
         if works:
-            kv = incoming
+            k, v = incoming
     return out, lse
 
 
 def _ring_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, plan: _Plan
 ) -> tuple[Tensor, Tensor, Tensor]:
-    d = q.shape[-1]
     acc = torch.promote_types(q.dtype, torch.float32)
+    k_dtype, v_dtype = k.dtype, v.dtype
     grad_q = q.new_zeros(q.shape, dtype=acc)
-    kv = torch.cat([k, v], dim=-1)  # (b, h_kv, j, d + dv)
-    carried: Tensor | None = None  # the (dK, dV) accumulator arriving from the previous rank
+    k, v = k.contiguous(), v.contiguous()
+    carried: list[Tensor] = []  # (dK, dV) of the block we hold, arriving from the previous rank
     carried_works: list[dist.Work] = []
     for step in range(plan.world_size):
         src = (plan.rank - step) % plan.world_size
+        prev = (src - 1) % plan.world_size
         kv_works: list[dist.Work] = []
         if step + 1 < plan.world_size:
-            incoming = _block_buffer(kv, plan, (src - 1) % plan.world_size, kv.dtype)
-            kv_works = _exchange(kv, incoming, plan, _TAG_KV)
-        grad_kv = _block_buffer(kv, plan, src, acc).zero_()  # (dK, dV) of block src
+            incoming = [_empty_block(t, plan, prev, t.dtype) for t in (k, v)]
+            kv_works = _exchange([k, v], incoming, plan, _TAG_KV)
+        grad_k = _empty_block(k, plan, src, acc).zero_()  # this rank's part of dK of block src
+        grad_v = _empty_block(v, plan, src, acc).zero_()
         for qs, ks, keywords in _block_pairs(plan, src):
-            dq, dk, dvv = backward_blocks(
+            dq, dk, dv = backward_blocks(
                 q[:, :, qs],
-                kv[:, :, ks, :d],
-                kv[:, :, ks, d:],
+                k[:, :, ks],
+                v[:, :, ks],
                 out[:, :, qs],
                 lse[:, :, qs],
                 grad_out[:, :, qs],
                 **keywords,
             )
             grad_q[:, :, qs] += dq
-            grad_kv[:, :, ks, :d] += dk
-            grad_kv[:, :, ks, d:] += dvv
-        if carried is not None:  # the contributions of the ranks that held block src before us
+            grad_k[:, :, ks] += dk
+            grad_v[:, :, ks] += dv
+        if carried:  # the contributions of the ranks that held block src before us
             _wait(carried_works)
-            grad_kv += carried
+            grad_k += carried[0]
+            grad_v += carried[1]
         _wait(kv_works)
         if plan.world_size == 1:
-            carried = grad_kv
+            carried = [grad_k, grad_v]
             break
         # Pass the accumulator on: the next rank holds block src at its next step, and after
         # the last step the next rank is src itself, the owner.
-        carried = _block_buffer(kv, plan, (src - 1) % plan.world_size, acc)
-        carried_works = _exchange(grad_kv, carried, plan, _TAG_DKV)
+        carried = [_empty_block(t, plan, prev, acc) for t in (k, v)]
+        carried_works = _exchange([grad_k, grad_v], carried, plan, _TAG_DKV)
         if kv_works:
-            kv = incoming
+            k, v = incoming
     _wait(carried_works)
-    assert carried is not None
-    grad_k, grad_v = carried[..., :d], carried[..., d:]
-    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+    return grad_q.to(q.dtype), carried[0].to(k_dtype), carried[1].to(v_dtype)
 
 
 class _RingAttention(torch.autograd.Function):
