@@ -6,7 +6,7 @@ The public surface is re-exported here; everything else is reachable through its
 
 # backends before anything that imports attnkit.functional: backends.chunked imports functional,
 # which imports backends.registry, so loading functional first would be a circular import.
-from attnkit import backends, masks, models, viz
+from attnkit import backends, distributed, masks, models, viz
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.backends import available_backends, register_backend
 from attnkit.blocks import (
@@ -48,6 +48,7 @@ __all__ = [
     "alibi_slopes",
     "available_backends",
     "backends",
+    "distributed",
     "inspect_attention",
     "masks",
     "models",

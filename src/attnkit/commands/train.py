@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attnkit.distributed.ddp import DistEnv
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,6 +54,21 @@ def _train_config(args: argparse.Namespace, default):  # noqa: ANN001, ANN202
 
 
 def run(args: argparse.Namespace) -> int:
+    # Under `torchrun --nproc_per_node=W -m attnkit.cli train ...` every process runs this:
+    # setup() joins the process group (gloo on CPU), training is data parallel (DDP) and only
+    # rank 0 writes files and prints. Without torchrun it is a world of one.
+    from attnkit.distributed import ddp
+
+    env = ddp.setup()
+    try:
+        code = _run(args, env, print if env.is_main else lambda *a, **k: None)  # rank 0 prints
+        ddp.barrier(env)  # rank 0's files are complete before any process exits
+        return code
+    finally:
+        ddp.teardown(env)
+
+
+def _run(args: argparse.Namespace, env: DistEnv, say: Callable[..., None]) -> int:
     from attnkit._io import check_writable
 
     variant = args.variant if args.task == "text" else "scratch"
@@ -56,7 +76,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--variant pretrained is for the text task; iris has one model")
     suffix = f"-{variant}" if args.task == "text" else ""
     out = args.out or Path("runs") / f"{args.task}{suffix}-seed{args.seed}"
-    out.mkdir(parents=True, exist_ok=True)
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    from attnkit.distributed import ddp
+
+    ddp.barrier(env)  # the directory exists for every rank, so all ranks check alike
     check_writable(out / "metrics.json")  # fail now, not after training
 
     import torch
@@ -103,11 +127,11 @@ def run(args: argparse.Namespace) -> int:
         ]  # fmt: skip
         for e in m["examples"]:
             words = ", ".join(f"{w} {x:.2f}" for w, x in e["top_words"])
-            print(f"[{e['label']} -> {e['predicted']} {e['probability']:.2f}] {e['text'][:90]}")
-            print(f"    most weighted: {words}")
+            say(f"[{e['label']} -> {e['predicted']} {e['probability']:.2f}] {e['text'][:90]}")
+            say(f"    most weighted: {words}")
     header = ["model", "train acc", "val acc", "test acc", "params", "best epoch", "seconds"]
-    print(format_table(rows, header))
+    say(format_table(rows, header))
     if args.task == "iris":
-        print("\n".join(m["heads"]))
-    print(f"checkpoint and metrics.json in {out}")
+        say("\n".join(m["heads"]))
+    say(f"checkpoint and metrics.json in {out}")
     return 0

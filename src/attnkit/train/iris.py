@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from attnkit.distributed.ddp import current_env, prepare_fit
 from attnkit.models.classifiers import TabularAttentionClassifier, TabularConfig, count_parameters
 from attnkit.train.checkpoint import CONFIG_FILE, FORMAT, MODEL_FILE, load_model_weights, read_config, save_json
 from attnkit.train.data import IRIS_FEATURES, load_iris_splits
@@ -129,15 +130,22 @@ def train_iris(
         "format": FORMAT, "task": "iris", "variant": "scratch", "seed": seed,
         "model": asdict(model_config), "train": asdict(train_config),
     }  # fmt: skip
+    env = current_env()  # several processes under torchrun: only rank 0 writes
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
         if resume and (out / CONFIG_FILE).exists() and read_config(out) != run_config:
             raise ValueError(f"{out}: --resume with different settings than the saved run")
+    if out is not None and env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
         save_json(out / CONFIG_FILE, run_config)
     train, val, test = _datasets(seed)
     model = build_iris(model_config, seed)
     started = time.perf_counter()
-    result = fit(model, train, val, train_config, out_dir=out, resume=resume, progress=progress)
+    # Data parallel through fit's seams (a no-op on one process): attnkit.distributed.ddp.
+    fit_model, fit_config, fit_kwargs = prepare_fit(model, train_config, env)
+    result = fit(
+        fit_model, train, val, fit_config, out_dir=out, resume=resume,
+        progress=progress if env.is_main else False, **fit_kwargs,
+    )  # fmt: skip
     wall = time.perf_counter() - started
     metrics = _metrics(model, train, val, test)
     maps = iris_attention(model, test["features"])
@@ -148,7 +156,7 @@ def train_iris(
         wall_seconds=round(wall, 2), heads=describe_heads(maps),
         **{k: v for k, v in asdict(model_config).items() if k in ("d_model", "num_heads", "num_layers")},
     )  # fmt: skip
-    if out is not None:
+    if out is not None and env.is_main:
         save_json(out / "metrics.json", metrics)
         save_json(
             out / "attention.json",

@@ -38,6 +38,7 @@ from attnkit.train.checkpoint import (
     read_config,
     save_json,
 )
+from attnkit.distributed.ddp import current_env, prepare_fit
 from attnkit.train.data import RT_LABELS, TextData, Vocab, load_rotten_tomatoes
 from attnkit.train.loop import TrainConfig, evaluate, fit, predict
 
@@ -230,10 +231,12 @@ def train_text(
         "format": FORMAT, "task": "text", "variant": variant, "seed": seed, "max_len": max_len,
         "limit_train": limit_train, "model": config, "train": asdict(train_config),
     }  # fmt: skip
+    env = current_env()  # several processes under torchrun: only rank 0 writes
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
         if resume and (out / CONFIG_FILE).exists() and read_config(out) != run_config:
             raise ValueError(f"{out}: --resume with different settings than the saved run")
+    if out is not None and env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
         save_json(out / CONFIG_FILE, run_config)
         if vocab is not None:
             save_json(out / VOCAB_FILE, vocab.words)
@@ -241,7 +244,12 @@ def train_text(
     base = baseline_tfidf(data) if baseline else None
     model = _build(variant, config, seed)
     train, val, test = sets
-    result = fit(model, train, val, train_config, out_dir=out, resume=resume, progress=progress)
+    # Data parallel through fit's seams (a no-op on one process): attnkit.distributed.ddp.
+    fit_model, fit_config, fit_kwargs = prepare_fit(model, train_config, env)
+    result = fit(
+        fit_model, train, val, fit_config, out_dir=out, resume=resume,
+        progress=progress if env.is_main else False, **fit_kwargs,
+    )  # fmt: skip
     metrics = _metrics(model, train, val, test)
     metrics.update(
         task="text", variant=variant, seed=seed, params=count_parameters(model),
@@ -263,7 +271,7 @@ def train_text(
         {k: e[k] for k in ("text", "label", "predicted", "probability", "top_words")}
         for e in explained
     ]
-    if out is not None:
+    if out is not None and env.is_main:
         save_json(out / "words.json", explained)
         title = "pooling weights" if variant == "scratch" else "last-layer [CLS] attention"
         metrics["words_html"] = _render(explained, title, out / "words.html")
