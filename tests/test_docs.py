@@ -93,7 +93,8 @@ def test_every_picture_shown_is_made_by_the_script() -> None:
     committed = {p.name for p in (DOCS / "figures").iterdir()}
     assert committed == made, "docs/figures/ is out of date: run docs/make_figures.py"
     for path in (DOCS / "figures").iterdir():
-        assert path.stat().st_size < 100_000, f"{path.name} is {path.stat().st_size} bytes"
+        limit = 100_000 if path.suffix == ".png" else 500_000  # the explorer carries its script
+        assert path.stat().st_size < limit, f"{path.name} is {path.stat().st_size} bytes"
 
 
 @pytest.mark.slow
