@@ -97,7 +97,7 @@ def fig_worked_example() -> Any:
 def fig_positions() -> Any:
     """What each positional scheme does to the scores between positions p (query) and s (key)."""
     n, e, d = 40, 64, 64
-    fig = _figure(13.0, 3.4)
+    fig = _figure(14.0, 3.4)
     axes = fig.subplots(1, 4)
 
     def show(ax: Any, values: torch.Tensor, title: str, cmap: str = "RdBu_r") -> None:
@@ -120,7 +120,7 @@ def fig_positions() -> Any:
     q = torch.randn(1, d).expand(n, d)  # the same query content at every position
     k = torch.randn(1, d).expand(n, d)  # the same key content at every position
     scores = rope.rotate(q) @ rope.rotate(k).T / math.sqrt(d)  # (n, n)
-    show(axes[1], scores, "RoPE: the same q and k everywhere\nscore depends on s - p only")
+    show(axes[1], scores, "RoPE: same q and k everywhere\nscore depends on s - p only")
 
     shaw = positional.RelativePositionAttention(d, 1, max_distance=8)
     idx = shaw.relative_index(n, n)  # (n, n): clipped distance bucket
@@ -128,7 +128,7 @@ def fig_positions() -> Any:
     show(
         axes[2],
         key_term,
-        "Shaw: q . a^K[clip(s - p, 8)] / sqrt(d)\n(learned: random here; flat beyond 8)",
+        "Shaw: q . a^K[clip(s - p)] / sqrt(d)\n(random init; flat beyond 8)",
     )
 
     bias = positional.alibi_bias(8, n)[0, 0]  # (n, n), head 0: the steepest slope
