@@ -214,3 +214,18 @@ def test_block_cross_attention_errors() -> None:
         block(torch.randn(1, 3, 8))
     with pytest.raises(ValueError, match="no cross-attention"):
         TransformerBlock(8, 2, 16)(torch.randn(1, 3, 8), memory=torch.randn(1, 2, 8))
+
+
+def test_initialisation_of_stacks() -> None:
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(CFG, embed_dim=64, vocab_size=2000, ffn_dim=128)
+    enc = TransformerEncoder(cfg)
+    # token embeddings N(0, 1/e), scaled by sqrt(e) in the forward: unit variance
+    assert abs(enc.embed.weight.std().item() - 64**-0.5) < 0.05 * 64**-0.5
+    block = enc.blocks[0]
+    for norm in (block.attn_norm, block.ffn_norm, enc.norm):
+        assert (norm.weight == 1).all() and (norm.bias == 0).all()
+    assert (block.ffn.up.bias == 0).all() and (block.ffn.down.bias == 0).all()
+    # feed-forward weights: torch's Linear default, uniform with bound 1/sqrt(fan_in)
+    assert block.ffn.up.weight.abs().max() <= 64**-0.5
+    assert block.ffn.down.weight.abs().max() <= 128**-0.5

@@ -15,8 +15,9 @@ Parameter names are stable (other code loads weights into them):
 Initialisation (deliberate, documented once here):
 
 * attention projections: Xavier-uniform, zero biases (see ``attnkit.attention``);
-* feed-forward ``up``/``gate``: Kaiming-uniform for the activation that follows (torch's
-  ``nn.Linear`` default, what ``nn.TransformerEncoderLayer`` uses), ``down`` the same, zero biases;
+* feed-forward ``up``, ``gate``, ``down``: torch's ``nn.Linear`` default, uniform in
+  ``±1/sqrt(fan_in)`` (Kaiming-uniform with ``a = sqrt(5)``), as in ``nn.TransformerEncoderLayer``,
+  so a fresh block and an imported one start alike; biases zero;
 * layer norms: weight 1, bias 0, so every block starts as a well-scaled residual update;
 * token embeddings: ``N(0, 1/e)`` and multiplied by ``sqrt(e)`` in the forward (Vaswani et al.
   2017, section 3.4), so token vectors have unit variance, the scale of the sinusoidal table.
@@ -94,7 +95,7 @@ class FeedForward(nn.Module):
         for lin in (self.up, self.gate, self.down):
             if lin is None:
                 continue
-            lin.reset_parameters()  # Kaiming-uniform, torch's Linear default
+            lin.reset_parameters()  # torch's Linear default: U(±1/sqrt(fan_in))
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
 
