@@ -6,6 +6,9 @@ The public surface is re-exported here; everything else is reachable through its
 
 from attnkit import masks
 from attnkit.backends import available_backends, register_backend
+from attnkit.backends.linear import linear_attention
+from attnkit.backends.sparse import topk_attention
+from attnkit.backends.tiled import tiled_attention
 from attnkit.functional import scaled_dot_product_attention
 
 __version__ = "0.1.0"
@@ -13,7 +16,10 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "available_backends",
+    "linear_attention",
     "masks",
     "register_backend",
     "scaled_dot_product_attention",
+    "tiled_attention",
+    "topk_attention",
 ]
