@@ -9,6 +9,9 @@ The public surface is re-exported here; everything else is reachable through its
 from attnkit import backends, distributed, masks, models, viz
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.backends import available_backends, register_backend
+from attnkit.backends.linear import linear_attention
+from attnkit.backends.sparse import topk_attention
+from attnkit.backends.tiled import tiled_attention
 from attnkit.blocks import (
     FeedForward,
     TransformerBlock,
@@ -50,9 +53,12 @@ __all__ = [
     "backends",
     "distributed",
     "inspect_attention",
+    "linear_attention",
     "masks",
     "models",
     "register_backend",
     "scaled_dot_product_attention",
+    "tiled_attention",
+    "topk_attention",
     "viz",
 ]
