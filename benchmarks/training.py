@@ -79,6 +79,11 @@ def iris_md(rows: list[dict]) -> str:
     )
 
 
+def _limit(m: dict) -> str:
+    limit = m.get("limit_train") or (m["n_train"] if m["n_train"] < 10_000 else None)
+    return f" --limit-train {limit}" if limit else ""
+
+
 def text_md(runs: Path) -> str:
     found = {}
     for variant in ("scratch", "pretrained"):
@@ -103,7 +108,8 @@ def text_md(runs: Path) -> str:
         lines.append(
             f"| attention, {variant} | {params} | {_pct(m['train_accuracy'])} | "
             f"{_pct(m['val_accuracy'])} | {_pct(m['test_accuracy'])} | {m['epochs']} | "
-            f"{m['seconds']:.0f} | `attnkit train text --variant {variant} --seed 0` |"
+            f"{m['seconds']:.0f} | `attnkit train text --variant {variant} --seed 0"
+            f"{_limit(m)} --threads 1` |"
         )
     words = []
     for variant, m in found.items():

@@ -106,7 +106,12 @@ def _plot(maps: torch.Tensor, path: Path) -> bool:
     for layer in range(layers):
         for head in range(heads):
             ax = axes[layer][head]
-            ax.imshow(maps[layer, head].numpy(), vmin=0, vmax=1, cmap="viridis")
+            m = maps[layer, head]
+            ax.imshow(m.numpy(), vmin=0, vmax=1, cmap="viridis")
+            for q in range(m.shape[0]):
+                for k in range(m.shape[1]):
+                    ink = "black" if m[q, k] > 0.6 else "white"
+                    ax.text(k, q, f"{m[q, k]:.2f}", ha="center", va="center", fontsize=6, color=ink)
             ax.set_xticks(range(5), short, rotation=90, fontsize=7)
             ax.set_yticks(range(5), short, fontsize=7)
             ax.set_title(f"layer {layer + 1} head {head + 1}", fontsize=8)

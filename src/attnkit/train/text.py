@@ -59,7 +59,7 @@ PRETRAINED_TRAIN = TrainConfig(
 )
 PRETRAINED_FREEZE = 3
 VOCAB_FILE = "vocab.json"
-TRAIN_EVAL = 1000
+TRAIN_EVAL = 500
 
 
 def baseline_tfidf(data: TextData) -> dict[str, float]:
@@ -287,6 +287,7 @@ def train_text(
         epochs_run=result.epochs_run,
         seconds=round(result.seconds, 1),
         n_train=len(data.train_texts),
+        limit_train=limit_train,
         n_val=len(data.val_texts),
         n_test=len(data.test_texts),
         baseline=base,
