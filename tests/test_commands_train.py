@@ -22,8 +22,14 @@ def run_dir(tmp_path_factory):
 
 def test_train_writes_checkpoint_metrics_and_attention(run_dir, capsys):
     names = {p.name for p in run_dir.iterdir()}
-    assert {"config.json", "model.safetensors", "metrics.json", "attention.json",
-            "trainer_state.json", "trainer_state.safetensors"} <= names  # fmt: skip
+    assert {
+        "config.json",
+        "model.safetensors",
+        "metrics.json",
+        "attention.json",
+        "trainer_state.json",
+        "trainer_state.safetensors",
+    } <= names
     metrics = json.loads((run_dir / "metrics.json").read_text())
     for key in ("test_accuracy", "val_accuracy", "train_accuracy", "params", "epochs", "seconds"):
         assert key in metrics

@@ -72,3 +72,35 @@ def test_text_classifier_ignores_padding():
     torch.testing.assert_close(w[0, :3], w_short[0], atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="tokens <= 12"):
         model(torch.ones(1, 13, dtype=torch.long))
+
+
+def test_pretrained_classifier_pools_real_tokens_freezes_and_reads_cls_attention():
+    from attnkit.models.bert import BertConfig, BertModel
+    from attnkit.models.classifiers import PretrainedTextClassifier
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+    model = PretrainedTextClassifier(BertModel(config), freeze_layers=2).eval()
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert any(n.startswith("bert.embeddings.") for n in frozen)
+    assert any(n.startswith("bert.layers.1.") for n in frozen)
+    assert not any(n.startswith("bert.layers.2.") for n in frozen)
+    assert model.head.weight.requires_grad
+    ids = torch.tensor([[2, 7, 9, 3, 0, 0], [2, 5, 3, 0, 0, 0]])
+    mask = ids != 0
+    with torch.no_grad():
+        logits, cls = model(ids, mask, return_weights=True)
+        alone = model(ids[1:, :3], mask[1:, :3])  # the same text without padding
+    assert logits.shape == (2, 2) and cls.shape == (2, 6)
+    torch.testing.assert_close(logits[1:], alone, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(cls.sum(-1), torch.ones(2))
+    assert torch.all(cls[~mask] == 0)
+    with pytest.raises(ValueError, match="freeze_layers"):
+        PretrainedTextClassifier(BertModel(config), freeze_layers=4)

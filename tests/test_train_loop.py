@@ -104,8 +104,15 @@ def test_resume_equals_uninterrupted(iris, tmp_path):
         assert torch.equal(a, b), name
     # A different configuration cannot continue this run.
     with pytest.raises(ValueError, match="different training configuration"):
-        fit(_model(5), train, val, TrainConfig(epochs=7, patience=0, seed=7),
-            out_dir=tmp_path / "cut", resume=True, progress=False)  # fmt: skip
+        fit(
+            _model(5),
+            train,
+            val,
+            TrainConfig(epochs=7, patience=0, seed=7),
+            out_dir=tmp_path / "cut",
+            resume=True,
+            progress=False,
+        )
 
 
 def test_sampler_and_writer_seams(iris, tmp_path):
@@ -117,8 +124,16 @@ def test_sampler_and_writer_seams(iris, tmp_path):
         return torch.arange(n // 2)
 
     config = TrainConfig(epochs=2, batch_size=15, patience=0)
-    fit(_model(), train, val, config, sampler=first_half, out_dir=tmp_path / "r1",
-        is_writer=False, progress=False)  # fmt: skip
+    fit(
+        _model(),
+        train,
+        val,
+        config,
+        sampler=first_half,
+        out_dir=tmp_path / "r1",
+        is_writer=False,
+        progress=False,
+    )
     assert not (tmp_path / "r1").exists()  # only the writer rank writes
     assert calls.count(0) >= 1 and calls.count(1) == 1
 
