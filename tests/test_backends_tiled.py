@@ -64,13 +64,13 @@ def test_tiled_equals_reference_forward_and_backward(i: int, j: int) -> None:
 
 def test_small_tiles_and_gradcheck() -> None:
     """Tiles much smaller than the inputs exercise the online softmax across many tiles."""
-    q, k, v = (t.requires_grad_() for t in _qkv(9, 11, h=4, h_kv=2, d=5, dv=3, b=1))
-    bias = torch.randn(1, 4, 9, 11, dtype=F64, requires_grad=True)
-    mask = torch.rand(1, 1, 9, 11, generator=torch.Generator().manual_seed(1)) > 0.3
+    q, k, v = (t.requires_grad_() for t in _qkv(7, 6, h=2, h_kv=1, d=3, dv=2, b=1))
+    bias = torch.randn(1, 2, 7, 6, dtype=F64, requires_grad=True)
+    mask = torch.rand(1, 1, 7, 6, generator=torch.Generator().manual_seed(1)) > 0.3
     mask[..., 2, :] = False
 
     def with_bias(q, k, v, bias):
-        return tiled_attention(q, k, v, mask=mask, bias=bias, block_q=4, block_k=3)
+        return tiled_attention(q, k, v, mask=mask, bias=bias, block_q=3, block_k=4)
 
     assert torch.autograd.gradcheck(with_bias, (q, k, v, bias))
     for kw in (
@@ -78,7 +78,7 @@ def test_small_tiles_and_gradcheck() -> None:
         {"mask_fn": masks.window_fn(3, 1, 2), "bias_fn": lambda b, h, i, j: 0.3 * (j - i)},
     ):
         assert torch.autograd.gradcheck(
-            lambda q, k, v, kw=kw: tiled_attention(q, k, v, block_q=4, block_k=3, **kw), (q, k, v)
+            lambda q, k, v, kw=kw: tiled_attention(q, k, v, block_q=3, block_k=4, **kw), (q, k, v)
         )
 
 
@@ -203,3 +203,29 @@ def test_merge_treats_a_shard_without_keys_as_no_contribution() -> None:
     # The log-sum-exp is the natural one, of the scaled scores.
     scores = torch.einsum("bhid,bhjd->bhij", q, k.repeat_interleave(2, dim=1)) * 0.5
     torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1))
+
+
+def test_auto_routes_functions_to_tiled_and_plain_calls_to_torch() -> None:
+    from attnkit.backends import select_backend
+    from attnkit.functional import make_call
+
+    q, k, v = (t.float() for t in _qkv(600, 600, b=1))
+    assert select_backend("auto", make_call(q, k, v)).name == "torch"
+    assert select_backend("auto", make_call(q, k, v, is_causal=True)).name == "torch"
+    seen = []
+
+    def recording(b, h, i, j):
+        seen.append(i.shape[-2] * j.shape[-1])
+        return (i - j).abs() < 300
+
+    call = make_call(q, k, v, recording)
+    assert select_backend("auto", call).name == "tiled-functions"
+    out = scaled_dot_product_attention(q, k, v, recording)
+    assert max(seen) < 600 * 600  # evaluated per tile: no n x n tensor was built
+    ref = scaled_dot_product_attention(q, k, v, masks.materialize(recording, (1, 1, 600, 600)))
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    # A bias function with learnable parameters cannot be differentiated by tiled: auto falls
+    # back to torch, which materialises it, and the gradient reaches the parameter.
+    slope = torch.tensor(0.1, requires_grad=True)
+    call = make_call(q, k, v, bias=lambda b, h, i, j: -slope * (i - j).abs())
+    assert select_backend("auto", call).name == "torch"

@@ -7,6 +7,9 @@ The public surface is re-exported here; everything else is reachable through its
 from attnkit import distributed, masks, viz
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.backends import available_backends, register_backend
+from attnkit.backends.linear import linear_attention
+from attnkit.backends.sparse import topk_attention
+from attnkit.backends.tiled import tiled_attention
 from attnkit.blocks import (
     FeedForward,
     TransformerBlock,
@@ -47,8 +50,11 @@ __all__ = [
     "available_backends",
     "distributed",
     "inspect_attention",
+    "linear_attention",
     "masks",
     "register_backend",
     "scaled_dot_product_attention",
+    "tiled_attention",
+    "topk_attention",
     "viz",
 ]

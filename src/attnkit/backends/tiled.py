@@ -349,15 +349,15 @@ def backward_blocks(
 def _forward(q: Tensor, k: Tensor, v: Tensor, spec: _Spec) -> tuple[Tensor, Tensor]:
     tiles = _Tiles(spec, q, k)
     g, dtype, blocked = tiles.g, tiles.dtype, tiles.blocked
-    q2 = _rows(q.to(dtype) * (spec.scale * LOG2E), g)  # (b, h_kv, i * g, d), base-2 scale
+    q_r = _rows(q.to(dtype), g)  # (b, h_kv, i * g, d)
     k, v = k.to(dtype), v.to(dtype)
-    nb, hk, rows = q2.shape[:3]
+    nb, hk, rows = q_r.shape[:3]
     out = torch.zeros(nb, hk, rows, v.shape[-1], dtype=dtype, device=q.device)
     lse = torch.full((nb, hk, rows), blocked, dtype=dtype, device=q.device)
     for i0 in range(0, tiles.ni, spec.block_q):
         i1 = min(tiles.ni, i0 + spec.block_q)
         r0, r1 = i0 * g, i1 * g
-        q_blk = q2[:, :, r0:r1]
+        q_blk = q_r[:, :, r0:r1] * (spec.scale * LOG2E)  # base-2 scale folded in, one block
         m = torch.full((nb, hk, r1 - r0), blocked, dtype=dtype, device=q.device)
         l = torch.zeros_like(m)
         acc = torch.zeros(nb, hk, r1 - r0, v.shape[-1], dtype=dtype, device=q.device)
@@ -401,10 +401,9 @@ def _backward(
     tiles = _Tiles(spec, q, k)
     g, dtype = tiles.g, tiles.dtype
     q_c = _rows(q.to(dtype), g)  # (b, h_kv, i * g, d)
-    q2 = q_c * (spec.scale * LOG2E)
     k, v = k.to(dtype), v.to(dtype)
     do = _rows(grad_out.to(dtype), g)  # (b, h_kv, i * g, dv)
-    delta = (do * _rows(out.to(dtype), g)).sum(dim=-1)  # D = rowsum(dO * O), (b, h_kv, i * g)
+    out_r = _rows(out.to(dtype), g)  # (b, h_kv, i * g, dv)
     lse_r = _rows(lse.to(dtype).unsqueeze(-1), g).squeeze(-1)  # (b, h_kv, i * g)
     # A row that saw no key: every score is the blocked minimum; with lse2 = 0, p = exp2(min) = 0.
     lse2 = torch.where(lse_r > tiles.blocked * 0.5, lse_r * LOG2E, 0.0)
@@ -417,7 +416,9 @@ def _backward(
     for i0 in range(0, tiles.ni, spec.block_q):
         i1 = min(tiles.ni, i0 + spec.block_q)
         r0, r1 = i0 * g, i1 * g
-        q_blk, q2_blk, do_blk = q_c[:, :, r0:r1], q2[:, :, r0:r1], do[:, :, r0:r1]
+        q_blk, do_blk = q_c[:, :, r0:r1], do[:, :, r0:r1].contiguous()
+        q2_blk = q_blk * (spec.scale * LOG2E)
+        delta = (do_blk * out_r[:, :, r0:r1]).sum(dim=-1)  # D = rowsum(dO * O), (b, h_kv, rows)
         dq_blk = dq[:, :, r0:r1]
         for sel, state in tiles.groups(i0, i1):
             k_t, v_t = _keys(k, sel), _keys(v, sel)
@@ -426,7 +427,7 @@ def _backward(
                 continue
             p = s.sub_(lse2[:, :, r0:r1].unsqueeze(-1)).exp2_()  # probabilities, recomputed
             dp = do_blk @ v_t.transpose(-2, -1)  # (b, h_kv, rows, bj)
-            ds = dp.sub_(delta[:, :, r0:r1].unsqueeze(-1)).mul_(p)  # d loss / d scores
+            ds = dp.sub_(delta.unsqueeze(-1)).mul_(p)  # d loss / d scores
             dq_blk.add_(ds @ k_t)
             if isinstance(sel, slice):
                 dv[:, :, sel].add_(p.transpose(-2, -1) @ do_blk)
