@@ -4,7 +4,7 @@ The public surface is re-exported here; everything else is reachable through its
 (``attnkit.masks``, ``attnkit.backends``, ...).
 """
 
-from attnkit import distributed, masks, viz
+from attnkit import distributed, masks, models, viz
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.backends import available_backends, register_backend
 from attnkit.backends.linear import linear_attention
@@ -52,6 +52,7 @@ __all__ = [
     "inspect_attention",
     "linear_attention",
     "masks",
+    "models",
     "register_backend",
     "scaled_dot_product_attention",
     "tiled_attention",

@@ -156,8 +156,9 @@ class MultiHeadAttention(nn.Module):
         num_heads: query heads ``h``; head width ``d = e // h``.
         num_kv_heads: key/value heads ``h_kv`` (must divide ``h``); ``None`` means ``h``
             (ordinary attention), ``1`` is multi-query attention.
-        kdim, vdim: feature sizes of ``key`` and ``value`` inputs (cross-attention from another
-            space); ``None`` means ``embed_dim``.
+        kdim: feature size of ``key`` inputs (cross-attention from another space); ``None``
+            means ``embed_dim``.
+        vdim: feature size of ``value`` inputs; ``None`` means ``embed_dim``.
         bias: whether the projections have biases.
         dropout: probability of dropping an attention weight, applied only in training mode.
         backend: attention backend name (``"auto"``, ``"math"``, ``"torch"``, or any registered).

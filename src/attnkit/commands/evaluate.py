@@ -24,7 +24,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     m = evaluate_checkpoint(args.checkpoint)
     header = ["checkpoint", "train acc", "val acc", "test acc", "params", "seconds"]
-    row = [str(args.checkpoint), m["train_accuracy"], m["val_accuracy"], m["test_accuracy"],
-           m["params"], m["seconds"]]  # fmt: skip
+    row = [
+        str(args.checkpoint),
+        m["train_accuracy"],
+        m["val_accuracy"],
+        m["test_accuracy"],
+        m["params"],
+        m["seconds"],
+    ]
     print(format_table([row], header))
     return 0

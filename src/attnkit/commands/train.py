@@ -21,8 +21,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("task", choices=["iris", "text"])
     p.add_argument("--seed", type=int, default=0, help="seeds the split, the weights, the order")
     p.add_argument("--out", type=Path, default=None, help="checkpoint directory")
-    p.add_argument("--variant", choices=["scratch", "pretrained"], default="scratch",
-                   help="text only: from-scratch model or fine-tuned MiniLM")  # fmt: skip
+    p.add_argument(
+        "--variant",
+        choices=["scratch", "pretrained"],
+        default="scratch",
+        help="text only: from-scratch model or fine-tuned MiniLM",
+    )
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--lr", type=float, default=None)
@@ -31,25 +35,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--max-len", type=int, default=64, help="text: tokens per snippet")
-    p.add_argument("--freeze-layers", type=int, default=None,
-                   help="pretrained: freeze embeddings and this many lower layers")  # fmt: skip
+    p.add_argument(
+        "--freeze-layers",
+        type=int,
+        default=None,
+        help="pretrained: freeze embeddings and this many lower layers",
+    )
     p.add_argument("--limit-train", type=int, default=None, help="text: use N training snippets")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: 1 for iris, whose tensors are tiny; 2 for text)")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: 1 for iris, whose tensors are tiny; 2 for text)",
+    )
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
-def _train_config(args: argparse.Namespace, default):  # noqa: ANN001, ANN202
+def _train_config(args: argparse.Namespace, default):
     from dataclasses import asdict
 
     from attnkit.train import TrainConfig
 
     changes = {
-        "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
         "patience": args.patience,
-    }  # fmt: skip
+    }
     return TrainConfig(**{**asdict(default), **{k: v for k, v in changes.items() if v is not None}})
 
 
@@ -98,33 +112,68 @@ def _run(args: argparse.Namespace, env: DistEnv, say: Callable[..., None]) -> in
         from attnkit.train.iris import IRIS_TRAIN, train_iris
 
         m = train_iris(
-            seed=args.seed, out=out, model_config=replace(TabularConfig(), **sizes),
-            train_config=_train_config(args, IRIS_TRAIN), resume=args.resume, progress=progress,
-        )  # fmt: skip
-        rows = [["attention (CLS)", m["train_accuracy"], m["val_accuracy"], m["test_accuracy"],
-                 m["params"], m["epochs"], m["seconds"]]]  # fmt: skip
+            seed=args.seed,
+            out=out,
+            model_config=replace(TabularConfig(), **sizes),
+            train_config=_train_config(args, IRIS_TRAIN),
+            resume=args.resume,
+            progress=progress,
+        )
+        rows = [
+            [
+                "attention (CLS)",
+                m["train_accuracy"],
+                m["val_accuracy"],
+                m["test_accuracy"],
+                m["params"],
+                m["epochs"],
+                m["seconds"],
+            ]
+        ]
     else:
         from attnkit.train.text import PRETRAINED_TRAIN, SCRATCH_TRAIN, train_text
 
         if variant == "pretrained":
             if sizes:
                 raise ValueError("--d-model/--heads/--layers are for the scratch model")
-            model_config = {} if args.freeze_layers is None else {"freeze_layers": args.freeze_layers}
+            model_config = (
+                {} if args.freeze_layers is None else {"freeze_layers": args.freeze_layers}
+            )
             default = PRETRAINED_TRAIN
         else:
             model_config, default = sizes, SCRATCH_TRAIN
         m = train_text(
-            variant=variant, seed=args.seed, out=out, model_config=model_config,
-            train_config=_train_config(args, default), max_len=args.max_len,
-            resume=args.resume, progress=progress, limit_train=args.limit_train,
-        )  # fmt: skip
+            variant=variant,
+            seed=args.seed,
+            out=out,
+            model_config=model_config,
+            train_config=_train_config(args, default),
+            max_len=args.max_len,
+            resume=args.resume,
+            progress=progress,
+            limit_train=args.limit_train,
+        )
         b = m["baseline"]
         rows = [
-            ["TF-IDF + logistic regression", b["train_accuracy"], b["val_accuracy"],
-             b["test_accuracy"], "-", "-", b["seconds"]],
-            [f"attention ({variant})", m["train_accuracy"], m["val_accuracy"],
-             m["test_accuracy"], m["params"], m["epochs"], m["seconds"]],
-        ]  # fmt: skip
+            [
+                "TF-IDF + logistic regression",
+                b["train_accuracy"],
+                b["val_accuracy"],
+                b["test_accuracy"],
+                "-",
+                "-",
+                b["seconds"],
+            ],
+            [
+                f"attention ({variant})",
+                m["train_accuracy"],
+                m["val_accuracy"],
+                m["test_accuracy"],
+                m["params"],
+                m["epochs"],
+                m["seconds"],
+            ],
+        ]
         for e in m["examples"]:
             words = ", ".join(f"{w} {x:.2f}" for w, x in e["top_words"])
             say(f"[{e['label']} -> {e['predicted']} {e['probability']:.2f}] {e['text'][:90]}")

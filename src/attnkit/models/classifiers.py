@@ -73,8 +73,11 @@ class TabularAttentionClassifier(nn.Module):
         super().__init__()
         self.config = config
         f, e = config.n_features, config.d_model
+        # w_f and b_f start at the same scale on purpose: the blocks' LayerNorm sees
+        # LN(v * w_f + b_f), which for |v * w_f| >> |b_f| is just sign(v) * LN(w_f); comparable
+        # scales keep the measurement's magnitude visible to attention.
         self.feature_weight = nn.Parameter(torch.randn(f, e) / math.sqrt(e))  # w_f
-        self.feature_bias = nn.Parameter(torch.randn(f, e) * 0.02)  # b_f: identity of feature f
+        self.feature_bias = nn.Parameter(torch.randn(f, e) / math.sqrt(e))  # b_f
         self.cls = nn.Parameter(torch.randn(1, 1, e) * 0.02)
         self.blocks = nn.ModuleList(
             _block(e, config.num_heads, config.ff_mult, config.dropout)
@@ -129,8 +132,8 @@ class AttentionPooling(nn.Module):
         self.query = nn.Parameter(torch.randn(d_model) / math.sqrt(d_model))
 
     def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """``x (b, t, e)``, ``mask (b, t)`` True = real token -> pooled ``(b, e)``, weights ``(b, t)``."""
-        b, t, e = x.shape
+        """``x (b, t, e)``, ``mask (b, t)`` True = real token -> ``(b, e)``, weights ``(b, t)``."""
+        b, _, e = x.shape
         q = self.query.expand(b, 1, e)  # (b, i=1, e)
         k = torch.tanh(self.key(x))  # (b, j=t, e)
         pooled, weights = scaled_dot_product_attention(
@@ -160,7 +163,7 @@ class TextAttentionClassifier(nn.Module):
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, return_weights: bool = False
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """``input_ids (b, t)`` (0 = padding) -> logits ``(b, c)`` [and pooling weights ``(b, t)``]."""
+        """``input_ids (b, t)`` (0 = padding) -> logits ``(b, c)`` [and pooling weights (b, t)]."""
         if input_ids.dim() != 2 or input_ids.shape[1] > self.config.max_len:
             raise ValueError(
                 f"input_ids must be (batch, tokens <= {self.config.max_len}), "

@@ -41,8 +41,10 @@ CONFIG_FILE = "config.json"
 MODEL_FILE = "model.safetensors"
 
 
-def save_tensors(path: str | Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> Path:
-    """Write ``tensors`` as safetensors, atomically (contiguous CPU copies; shared storage is fine)."""
+def save_tensors(
+    path: str | Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None
+) -> Path:
+    """Write ``tensors`` as safetensors, atomically (as contiguous CPU copies)."""
     from safetensors.torch import save  # lazy: the `train` extra
 
     flat = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
@@ -62,7 +64,9 @@ def load_tensors(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
             tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118
     except Exception as exc:  # safetensors raises its own error types for bad headers/bytes
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ValueError(f"checkpoint file {str(path)!r} is corrupt or not safetensors ({msg})") from None
+        raise ValueError(
+            f"checkpoint file {str(path)!r} is corrupt or not safetensors ({msg})"
+        ) from None
     return tensors, metadata
 
 

@@ -55,7 +55,9 @@ def stratified_split(
     (train, val, test; they must sum to 1). Same labels and seed -> same split.
     """
     if len(fractions) != 3 or any(f < 0 for f in fractions) or abs(sum(fractions) - 1) > 1e-9:
-        raise ValueError(f"fractions must be three non-negative numbers summing to 1, got {fractions}")
+        raise ValueError(
+            f"fractions must be three non-negative numbers summing to 1, got {fractions}"
+        )
     labels = torch.as_tensor(labels, dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
     parts: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
@@ -148,7 +150,9 @@ def load_rotten_tomatoes(
     with bz2.open(path, "rt", encoding="utf-8") as handle:
         rows = list(csv.DictReader(io.StringIO(handle.read())))
     texts = [r["text"] for r in rows if r.get("category") in RT_LABELS]
-    labels = torch.tensor([RT_LABELS.index(r["category"]) for r in rows if r.get("category") in RT_LABELS])
+    labels = torch.tensor(
+        [RT_LABELS.index(r["category"]) for r in rows if r.get("category") in RT_LABELS]
+    )
     if not texts:
         raise ValueError(f"{path} has no rows with category 'fresh' or 'rotten'")
     tr, va, te = stratified_split(labels, fractions, seed)
@@ -174,14 +178,18 @@ class Vocab:
     def __init__(self, words: Sequence[str]) -> None:
         self.words = list(words)
         if self.words[:2] != [self.PAD, self.UNK]:
-            raise ValueError(f"a Vocab must start with {[self.PAD, self.UNK]}, got {self.words[:2]}")
+            raise ValueError(
+                f"a Vocab must start with {[self.PAD, self.UNK]}, got {self.words[:2]}"
+            )
         self.index = {w: i for i, w in enumerate(self.words)}
 
     @classmethod
     def build(cls, texts: Iterable[str], min_count: int = 2, max_size: int = 20000) -> Vocab:
         """The most frequent words of ``texts`` seen at least ``min_count`` times (ties by word)."""
         counts = Counter(tok for text in texts for tok in tokenize(text))
-        ranked = sorted((w for w, c in counts.items() if c >= min_count), key=lambda w: (-counts[w], w))
+        ranked = sorted(
+            (w for w, c in counts.items() if c >= min_count), key=lambda w: (-counts[w], w)
+        )
         return cls([cls.PAD, cls.UNK, *ranked[: max_size - 2]])
 
     def __len__(self) -> int:

@@ -18,14 +18,24 @@ import torch
 
 from attnkit.distributed.ddp import current_env, prepare_fit
 from attnkit.models.classifiers import TabularAttentionClassifier, TabularConfig, count_parameters
-from attnkit.train.checkpoint import CONFIG_FILE, FORMAT, MODEL_FILE, load_model_weights, read_config, save_json
+from attnkit.train.checkpoint import (
+    CONFIG_FILE,
+    FORMAT,
+    MODEL_FILE,
+    load_model_weights,
+    read_config,
+    save_json,
+)
 from attnkit.train.data import IRIS_FEATURES, load_iris_splits
 from attnkit.train.loop import TrainConfig, evaluate, fit
 
 __all__ = ["IRIS_TRAIN", "build_iris", "describe_heads", "iris_attention", "train_iris"]
 
-# Tuned once on seed 0's validation split only; test accuracy was not used to choose them.
-IRIS_TRAIN = TrainConfig(epochs=60, batch_size=16, lr=2e-3, weight_decay=0.01, patience=20)
+# Chosen by comparing a few settings over seeds 0-9 (validation-selected epochs, lr 1e-3 vs 2e-3,
+# dropout 0.1 vs 0.3, monitor loss vs accuracy); see the report in docs/benchmarks.md.
+IRIS_TRAIN = TrainConfig(
+    epochs=100, batch_size=16, lr=1e-3, weight_decay=0.05, patience=30, monitor="val_accuracy"
+)
 FRACTIONS = (0.6, 0.2, 0.2)
 TOKENS = ("CLS", *IRIS_FEATURES)
 SEPAL, PETAL = (1, 2), (3, 4)  # token positions (0 is CLS)
@@ -36,7 +46,9 @@ def build_iris(config: TabularConfig, seed: int) -> TabularAttentionClassifier:
     return TabularAttentionClassifier(config)
 
 
-def _datasets(seed: int, fractions: tuple[float, float, float] = FRACTIONS) -> tuple[dict, dict, dict]:
+def _datasets(
+    seed: int, fractions: tuple[float, float, float] = FRACTIONS
+) -> tuple[dict, dict, dict]:
     d = load_iris_splits(seed, fractions)
     return (
         {"features": d.x_train, "labels": d.y_train},
@@ -65,10 +77,14 @@ def describe_heads(maps: torch.Tensor) -> list[str]:
             sepal_from_feats = m[1:, list(SEPAL)].sum(-1).mean().item()
             cls_petal = cls_row[list(PETAL)].sum().item()
             kind = (
-                "petal-focused" if petal_from_feats > 0.6 else
-                "sepal-focused" if sepal_from_feats > 0.6 else
-                "CLS-focused" if m[1:, 0].mean().item() > 0.5 else "mixed"
-            )  # fmt: skip
+                "petal-focused"
+                if petal_from_feats > 0.6
+                else "sepal-focused"
+                if sepal_from_feats > 0.6
+                else "CLS-focused"
+                if m[1:, 0].mean().item() > 0.5
+                else "mixed"
+            )
             lines.append(
                 f"layer {layer + 1} head {head + 1}: {kind}; feature tokens put "
                 f"{petal_from_feats:.0%} on petal and {sepal_from_feats:.0%} on sepal tokens; "
@@ -91,7 +107,12 @@ def _plot(maps: torch.Tensor, path: Path) -> bool:
     for layer in range(layers):
         for head in range(heads):
             ax = axes[layer][head]
-            ax.imshow(maps[layer, head].numpy(), vmin=0, vmax=1, cmap="viridis")
+            m = maps[layer, head]
+            ax.imshow(m.numpy(), vmin=0, vmax=1, cmap="viridis")
+            for q in range(m.shape[0]):
+                for k in range(m.shape[1]):
+                    ink = "black" if m[q, k] > 0.6 else "white"
+                    ax.text(k, q, f"{m[q, k]:.2f}", ha="center", va="center", fontsize=6, color=ink)
             ax.set_xticks(range(5), short, rotation=90, fontsize=7)
             ax.set_yticks(range(5), short, fontsize=7)
             ax.set_title(f"layer {layer + 1} head {head + 1}", fontsize=8)
@@ -127,13 +148,17 @@ def train_iris(
     train_config = TrainConfig(**{**asdict(train_config), "seed": seed})
     out = Path(out) if out is not None else None
     run_config = {
-        "format": FORMAT, "task": "iris", "variant": "scratch", "seed": seed,
-        "model": asdict(model_config), "train": asdict(train_config),
-    }  # fmt: skip
+        "format": FORMAT,
+        "task": "iris",
+        "variant": "scratch",
+        "seed": seed,
+        "model": asdict(model_config),
+        "train": asdict(train_config),
+    }
     env = current_env()  # several processes under torchrun: only rank 0 writes
-    if out is not None:
-        if resume and (out / CONFIG_FILE).exists() and read_config(out) != run_config:
-            raise ValueError(f"{out}: --resume with different settings than the saved run")
+    saved = out is not None and resume and (out / CONFIG_FILE).exists()
+    if saved and read_config(out) != run_config:  # every rank reads; only rank 0 writes below
+        raise ValueError(f"{out}: --resume with different settings than the saved run")
     if out is not None and env.is_main:
         out.mkdir(parents=True, exist_ok=True)
         save_json(out / CONFIG_FILE, run_config)
@@ -143,26 +168,46 @@ def train_iris(
     # Data parallel through fit's seams (a no-op on one process): attnkit.distributed.ddp.
     fit_model, fit_config, fit_kwargs = prepare_fit(model, train_config, env)
     result = fit(
-        fit_model, train, val, fit_config, out_dir=out, resume=resume,
-        progress=progress if env.is_main else False, **fit_kwargs,
-    )  # fmt: skip
+        fit_model,
+        train,
+        val,
+        fit_config,
+        out_dir=out,
+        resume=resume,
+        progress=progress if env.is_main else False,
+        **fit_kwargs,
+    )
     wall = time.perf_counter() - started
     metrics = _metrics(model, train, val, test)
     maps = iris_attention(model, test["features"])
     metrics.update(
-        task="iris", variant="scratch", seed=seed, params=count_parameters(model),
-        epochs=result.best_epoch, epochs_run=result.epochs_run,
-        stopped_early=result.stopped_early, seconds=round(result.seconds, 2),
-        wall_seconds=round(wall, 2), heads=describe_heads(maps),
-        **{k: v for k, v in asdict(model_config).items() if k in ("d_model", "num_heads", "num_layers")},
-    )  # fmt: skip
+        task="iris",
+        variant="scratch",
+        seed=seed,
+        params=count_parameters(model),
+        epochs=result.best_epoch,
+        epochs_run=result.epochs_run,
+        stopped_early=result.stopped_early,
+        seconds=round(result.seconds, 2),
+        wall_seconds=round(wall, 2),
+        heads=describe_heads(maps),
+        **{
+            k: v
+            for k, v in asdict(model_config).items()
+            if k in ("d_model", "num_heads", "num_layers")
+        },
+    )
     if out is not None and env.is_main:
         save_json(out / "metrics.json", metrics)
         save_json(
             out / "attention.json",
-            {"tokens": list(TOKENS), "maps": maps.tolist(), "heads": metrics["heads"],
-             "what": "mean attention weights on the test set, [layer][head][query][key]"},
-        )  # fmt: skip
+            {
+                "tokens": list(TOKENS),
+                "maps": maps.tolist(),
+                "heads": metrics["heads"],
+                "what": "mean attention weights on the test set, [layer][head][query][key]",
+            },
+        )
         metrics["attention_png"] = _plot(maps, out / "attention.png")
     return metrics
 

@@ -136,7 +136,9 @@ def trim_padding(batch: Dataset) -> Dataset:
         return batch
     length = int(mask.any(dim=0).nonzero().max()) + 1 if mask.any() else 1
     width = mask.shape[1]
-    return {k: v[:, :length] if v.dim() == 2 and v.shape[1] == width else v for k, v in batch.items()}
+    return {
+        k: v[:, :length] if v.dim() == 2 and v.shape[1] == width else v for k, v in batch.items()
+    }
 
 
 def _take(data: Dataset, idx: Tensor) -> Dataset:
@@ -195,7 +197,7 @@ def default_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Opti
 
 
 def _save_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
-    """Write the resumable state: tensors first, then the JSON that names the epoch they belong to."""
+    """Write the resumable state: tensors first, then the JSON naming the epoch they belong to."""
     sd = opt.state_dict()
     tensors = {f"model.{k}": v for k, v in _unwrap(model).state_dict().items()}
     tensors["rng.torch"] = torch.get_rng_state()
@@ -269,9 +271,16 @@ def fit(
     total_steps = config.epochs * steps_per_epoch
 
     state: dict[str, Any] = {
-        "epoch": 0, "step": 0, "best_score": None, "best_epoch": 0, "bad_epochs": 0,
-        "stopped_early": False, "seconds": 0.0, "history": [], "config": asdict(config),
-    }  # fmt: skip
+        "epoch": 0,
+        "step": 0,
+        "best_score": None,
+        "best_epoch": 0,
+        "bad_epochs": 0,
+        "stopped_early": False,
+        "seconds": 0.0,
+        "history": [],
+        "config": asdict(config),
+    }
     best_weights = {k: v.detach().clone() for k, v in _unwrap(model).state_dict().items()}
     if resume and out is not None and (out / STATE_JSON).exists():
         state = _load_state(out, model, opt)
@@ -312,7 +321,9 @@ def fit(
             correct += int((logits.argmax(dim=-1) == labels).sum())
             seen += len(labels)
             bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{loss_sum / seen:.3f}", acc=f"{correct / seen:.3f}")
+            bar.set_postfix(
+                epoch=epoch + 1, loss=f"{loss_sum / seen:.3f}", acc=f"{correct / seen:.3f}"
+            )
         val_loss, val_acc = evaluate(model, val)
         # Higher is better; the other number breaks ties.
         score = [-val_loss, val_acc] if config.monitor == "val_loss" else [val_acc, -val_loss]
@@ -323,9 +334,15 @@ def fit(
         else:
             state["bad_epochs"] += 1
         state["history"].append(
-            {"epoch": epoch + 1, "train_loss": loss_sum / seen, "train_accuracy": correct / seen,
-             "val_loss": val_loss, "val_accuracy": val_acc, "lr": opt.param_groups[0]["lr"]}
-        )  # fmt: skip
+            {
+                "epoch": epoch + 1,
+                "train_loss": loss_sum / seen,
+                "train_accuracy": correct / seen,
+                "val_loss": val_loss,
+                "val_accuracy": val_acc,
+                "lr": opt.param_groups[0]["lr"],
+            }
+        )
         state["epoch"] = epoch + 1
         state["stopped_early"] = bool(config.patience and state["bad_epochs"] >= config.patience)
         state["seconds"] += time.perf_counter() - started

@@ -33,9 +33,11 @@ def evaluate_checkpoint(directory: str | Path, *, write: bool = True) -> dict[st
     else:
         raise ValueError(f"{directory / 'config.json'}: unknown task {task!r} (iris or text)")
     metrics.update(
-        task=task, variant=config.get("variant"), seed=config.get("seed"),
+        task=task,
+        variant=config.get("variant"),
+        seed=config.get("seed"),
         seconds=round(time.perf_counter() - started, 2),
-    )  # fmt: skip
+    )
     if write:
         save_json(directory / "evaluation.json", metrics)
     return metrics
@@ -45,7 +47,7 @@ def format_table(rows: list[list[Any]], header: list[str]) -> str:
     """A plain aligned text table (also valid Markdown)."""
     cells = [[str(c) for c in header], *[[_fmt(c) for c in row] for row in rows]]
     widths = [max(len(r[k]) for r in cells) for k in range(len(header))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |"  # noqa: E731
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
 
