@@ -206,6 +206,7 @@ def _dies(rank: int, world: int) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_harness_fails_instead_of_hanging_when_a_worker_dies() -> None:
     start = time.monotonic()
     with pytest.raises(mp.ProcessExitedException, match="exit code 3"):

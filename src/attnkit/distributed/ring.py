@@ -9,9 +9,10 @@ Dao et al. 2022, FlashAttention, section 3.1)::
 
     step 0: rank r attends to its own block r      | meanwhile it sends block r to r+1
     step s: rank r attends to block (r - s) mod W  | and forwards that block to r+1
-    after W steps every rank has seen every block; no rank ever holds more than two blocks.
+    after W steps every rank has seen every block; besides its own, a rank holds only the
+    block it computes on and the one arriving.
 
-Memory per rank is therefore ``O(n / W)`` for activations, whatever the full length ``n``.
+Memory per rank is therefore ``O(n / W)``, whatever the full length ``n``.
 
 The backward pass runs the same ring again: the key/value block travels as before, and next to
 it travels a gradient accumulator ``(dK, dV)`` for that block; each rank adds its contribution

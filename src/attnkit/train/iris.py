@@ -156,8 +156,8 @@ def train_iris(
         "train": asdict(train_config),
     }
     env = current_env()  # several processes under torchrun: only rank 0 writes
-    resuming = out is not None and resume and (out / CONFIG_FILE).exists()
-    if resuming and read_config(out) != run_config:
+    saved = out is not None and resume and (out / CONFIG_FILE).exists()
+    if saved and read_config(out) != run_config:  # every rank reads; only rank 0 writes below
         raise ValueError(f"{out}: --resume with different settings than the saved run")
     if out is not None and env.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -168,9 +168,15 @@ def train_iris(
     # Data parallel through fit's seams (a no-op on one process): attnkit.distributed.ddp.
     fit_model, fit_config, fit_kwargs = prepare_fit(model, train_config, env)
     result = fit(
-        fit_model, train, val, fit_config, out_dir=out, resume=resume,
-        progress=progress if env.is_main else False, **fit_kwargs,
-    )  # fmt: skip
+        fit_model,
+        train,
+        val,
+        fit_config,
+        out_dir=out,
+        resume=resume,
+        progress=progress if env.is_main else False,
+        **fit_kwargs,
+    )
     wall = time.perf_counter() - started
     metrics = _metrics(model, train, val, test)
     maps = iris_attention(model, test["features"])
