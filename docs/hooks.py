@@ -33,8 +33,12 @@ def include_benchmarks(markdown: str, doc: Path = BENCHMARKS) -> str:
                 f'!!! note "Not measured yet"\n    The `{match.group(1)}` section of the '
                 "benchmarks page has not been measured in this checkout."
             )
-        # Headings inside the section move down one level so they sit under the page's own.
-        return re.sub(r"^(#+) ", r"#\1 ", section, flags=re.M)
+        # Headings inside the section move down so the highest becomes level 4 and sits under
+        # the page's own section headings (which are levels 2 and 3).
+        levels = [len(h) for h in re.findall(r"^(#+) ", section, flags=re.M)]
+        shift = max(0, 4 - min(levels)) if levels else 0
+        deeper = lambda h: "#" * (len(h.group(1)) + shift) + " "  # noqa: E731
+        return re.sub(r"^(#+) ", deeper, section, flags=re.M)
 
     return INCLUDE.sub(replace, markdown)
 

@@ -134,6 +134,6 @@ def test_benchmark_sections_are_included_not_invented(tmp_path: Path) -> None:
     )
     page = "Intro\n\n<!-- include:benchmarks:x -->\n\n<!-- include:benchmarks:missing -->\n"
     out = hooks.include_benchmarks(page, doc)
-    assert "### Table\n| a |\n|---|\n| 1.5 |" in out
+    assert "#### Table\n| a |\n|---|\n| 1.5 |" in out
     assert "`missing` section of the benchmarks page has not been measured" in out
     assert "<!-- include:" not in out
