@@ -137,3 +137,11 @@ def test_benchmark_sections_are_included_not_invented(tmp_path: Path) -> None:
     assert "#### Table\n| a |\n|---|\n| 1.5 |" in out
     assert "`missing` section of the benchmarks page has not been measured" in out
     assert "<!-- include:" not in out
+
+
+def test_every_concept_page_links_to_its_source() -> None:
+    for page in sorted((DOCS / "concepts").glob("*.md")):
+        links = re.findall(r"\]\(\.\./source/([\w-]+)\.md\)", page.read_text("utf-8"))
+        assert links, f"{page.name} links to no source page (docs/source/*.md)"
+        for name in links:
+            assert (DOCS / "source" / f"{name}.md").exists(), f"{page.name}: source/{name}.md"
