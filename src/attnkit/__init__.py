@@ -4,7 +4,7 @@ The public surface is re-exported here; everything else is reachable through its
 (``attnkit.masks``, ``attnkit.backends``, ...).
 """
 
-from attnkit import masks
+from attnkit import masks, models, viz
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.backends import available_backends, register_backend
 from attnkit.blocks import (
@@ -47,6 +47,8 @@ __all__ = [
     "available_backends",
     "inspect_attention",
     "masks",
+    "models",
     "register_backend",
     "scaled_dot_product_attention",
+    "viz",
 ]
