@@ -288,3 +288,23 @@ def test_initialisation_is_xavier_per_projection_with_zero_biases() -> None:
     assert (mha.in_proj.bias == 0).all() and (mha.out_proj.bias == 0).all()
     cross = MultiHeadAttention(e, h, kdim=10, vdim=12)
     assert cross.k_proj.weight.abs().max() <= math.sqrt(6 / (10 + e))
+
+
+@pytest.mark.parametrize("chunks", [[8], [5, 3], [1, 4, 2, 1], [2, 2, 2, 2]])
+def test_kv_cache_with_any_chunking_and_padding(chunks: list[int]) -> None:
+    # chunked prefill: several tokens per call, with a key padding mask over the whole cache
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 4, num_kv_heads=1).to(D64).eval()
+    rope = RotaryEmbedding(4)
+    x = torch.randn(2, 8, 16, dtype=D64)
+    keep = torch.ones(2, 8, dtype=torch.bool)
+    keep[1, 2] = False  # a "padding" token in the middle of sequence 1
+    full, _ = mha(x, mask=keep[:, None, None, :], is_causal=True, rope=rope)
+    cache, outs, start = KVCache(), [], 0
+    for n in chunks:
+        seen = keep[:, None, None, : start + n]  # (b, 1, 1, j): mask over cached + new keys
+        outs.append(
+            mha(x[:, start : start + n], mask=seen, is_causal=True, rope=rope, cache=cache)[0]
+        )
+        start += n
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-12, rtol=0)

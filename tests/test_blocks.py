@@ -73,6 +73,34 @@ def test_block_from_torch_sequence_first_causal() -> None:
     torch.testing.assert_close(out.transpose(0, 1), ref, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_cross_attention_block_equals_torch_decoder_layer(norm_first: bool, activation: str):
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(
+        24, 4, 40, dropout=0.0, activation=activation, norm_first=norm_first, batch_first=True
+    ).to(D64)
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.ndim == 1:
+                p.normal_()
+    block = TransformerBlock.from_torch(layer)
+    assert block.cross_attn is not None
+    x, memory = torch.randn(2, 6, 24, dtype=D64), torch.randn(2, 9, 24, dtype=D64)
+    mem_pad = torch.arange(9)[None, :] >= torch.tensor([9, 5])[:, None]  # torch: True = ignore
+    causal = nn.Transformer.generate_square_subsequent_mask(6, dtype=D64)
+    ref = layer(x, memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=mem_pad)
+    out, _ = block(
+        x, is_causal=True, memory=memory, memory_mask=masks.from_torch(key_padding_mask=mem_pad)
+    )
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+
+
+def test_from_torch_rejects_other_modules() -> None:
+    with pytest.raises(TypeError, match=r"expected nn\.TransformerEncoderLayer"):
+        TransformerBlock.from_torch(nn.Linear(2, 2))
+
+
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "swiglu"])
 def test_feed_forward_against_formula(activation: str) -> None:
     torch.manual_seed(0)

@@ -205,15 +205,24 @@ class TransformerBlock(nn.Module):
 
     @classmethod
     def from_torch(
-        cls, layer: nn.TransformerEncoderLayer, *, backend: str = "auto"
+        cls,
+        layer: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer,
+        *,
+        backend: str = "auto",
     ) -> TransformerBlock:
-        """A block holding a copy of ``nn.TransformerEncoderLayer``'s weights (same dtype/device).
+        """A block holding a copy of a torch layer's weights (same dtype and device).
 
-        Supports ``norm_first`` either way and relu/gelu activations. The result is batch-first
-        whatever the layer's ``batch_first``.
+        ``nn.TransformerEncoderLayer`` gives a self-attention block; ``nn.TransformerDecoderLayer``
+        a block with cross-attention (its ``multihead_attn``; ``norm1, norm2, norm3`` become
+        ``attn_norm, cross_norm, ffn_norm``). Supports ``norm_first`` either way and relu/gelu
+        activations. The result is batch-first whatever the layer's ``batch_first``.
         """
-        if not isinstance(layer, nn.TransformerEncoderLayer):
-            raise TypeError(f"expected nn.TransformerEncoderLayer, got {type(layer).__name__}")
+        decoder = isinstance(layer, nn.TransformerDecoderLayer)
+        if not (decoder or isinstance(layer, nn.TransformerEncoderLayer)):
+            raise TypeError(
+                "expected nn.TransformerEncoderLayer or nn.TransformerDecoderLayer, got "
+                f"{type(layer).__name__}"
+            )
         act = layer.activation
         if act is F.relu or isinstance(act, nn.ReLU):
             activation = "relu"
@@ -234,6 +243,7 @@ class TransformerBlock(nn.Module):
             dropout=layer.dropout.p,
             activation=activation,
             norm_first=layer.norm_first,
+            cross_attention=decoder,
             eps=layer.norm1.eps,
             backend=backend,
         ).to(dtype=weight.dtype, device=weight.device)
@@ -242,7 +252,15 @@ class TransformerBlock(nn.Module):
             block.ffn.up.load_state_dict(layer.linear1.state_dict())
             block.ffn.down.load_state_dict(layer.linear2.state_dict())
             block.attn_norm.load_state_dict(layer.norm1.state_dict())
-            block.ffn_norm.load_state_dict(layer.norm2.state_dict())
+            if decoder:
+                assert block.cross_norm is not None
+                block.cross_attn = MultiHeadAttention.from_torch(
+                    layer.multihead_attn, backend=backend
+                )
+                block.cross_norm.load_state_dict(layer.norm2.state_dict())
+                block.ffn_norm.load_state_dict(layer.norm3.state_dict())
+            else:
+                block.ffn_norm.load_state_dict(layer.norm2.state_dict())
         return block
 
 
