@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -271,3 +273,38 @@ def test_cache_from_another_shape_is_refused() -> None:
     mha(torch.randn(1, 3, 8), cache=full)
     with pytest.raises(ValueError, match="KVCache is full"):
         mha(torch.randn(1, 2, 8), cache=full)
+
+
+def test_initialisation_is_xavier_per_projection_with_zero_biases() -> None:
+    torch.manual_seed(0)
+    e, h, h_kv = 64, 8, 2
+    mha = MultiHeadAttention(e, h, num_kv_heads=h_kv)
+    kv = h_kv * (e // h)
+    for rows, fan_out in zip(mha.in_proj.weight.split([e, kv, kv]), (e, kv, kv), strict=True):
+        bound = math.sqrt(6 / (e + fan_out))  # Glorot & Bengio 2010, uniform
+        assert rows.abs().max() <= bound
+        assert rows.abs().max() > 0.9 * bound  # the whole range is used, not a smaller one
+        assert abs(rows.std().item() - bound / math.sqrt(3)) < 0.1 * bound
+    assert (mha.in_proj.bias == 0).all() and (mha.out_proj.bias == 0).all()
+    cross = MultiHeadAttention(e, h, kdim=10, vdim=12)
+    assert cross.k_proj.weight.abs().max() <= math.sqrt(6 / (10 + e))
+
+
+@pytest.mark.parametrize("chunks", [[8], [5, 3], [1, 4, 2, 1], [2, 2, 2, 2]])
+def test_kv_cache_with_any_chunking_and_padding(chunks: list[int]) -> None:
+    # chunked prefill: several tokens per call, with a key padding mask over the whole cache
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 4, num_kv_heads=1).to(D64).eval()
+    rope = RotaryEmbedding(4)
+    x = torch.randn(2, 8, 16, dtype=D64)
+    keep = torch.ones(2, 8, dtype=torch.bool)
+    keep[1, 2] = False  # a "padding" token in the middle of sequence 1
+    full, _ = mha(x, mask=keep[:, None, None, :], is_causal=True, rope=rope)
+    cache, outs, start = KVCache(), [], 0
+    for n in chunks:
+        seen = keep[:, None, None, : start + n]  # (b, 1, 1, j): mask over cached + new keys
+        outs.append(
+            mha(x[:, start : start + n], mask=seen, is_causal=True, rope=rope, cache=cache)[0]
+        )
+        start += n
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-12, rtol=0)

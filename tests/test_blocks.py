@@ -73,6 +73,34 @@ def test_block_from_torch_sequence_first_causal() -> None:
     torch.testing.assert_close(out.transpose(0, 1), ref, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_cross_attention_block_equals_torch_decoder_layer(norm_first: bool, activation: str):
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(
+        24, 4, 40, dropout=0.0, activation=activation, norm_first=norm_first, batch_first=True
+    ).to(D64)
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.ndim == 1:
+                p.normal_()
+    block = TransformerBlock.from_torch(layer)
+    assert block.cross_attn is not None
+    x, memory = torch.randn(2, 6, 24, dtype=D64), torch.randn(2, 9, 24, dtype=D64)
+    mem_pad = torch.arange(9)[None, :] >= torch.tensor([9, 5])[:, None]  # torch: True = ignore
+    causal = nn.Transformer.generate_square_subsequent_mask(6, dtype=D64)
+    ref = layer(x, memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=mem_pad)
+    out, _ = block(
+        x, is_causal=True, memory=memory, memory_mask=masks.from_torch(key_padding_mask=mem_pad)
+    )
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+
+
+def test_from_torch_rejects_other_modules() -> None:
+    with pytest.raises(TypeError, match=r"expected nn\.TransformerEncoderLayer"):
+        TransformerBlock.from_torch(nn.Linear(2, 2))
+
+
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "swiglu"])
 def test_feed_forward_against_formula(activation: str) -> None:
     torch.manual_seed(0)
@@ -214,3 +242,18 @@ def test_block_cross_attention_errors() -> None:
         block(torch.randn(1, 3, 8))
     with pytest.raises(ValueError, match="no cross-attention"):
         TransformerBlock(8, 2, 16)(torch.randn(1, 3, 8), memory=torch.randn(1, 2, 8))
+
+
+def test_initialisation_of_stacks() -> None:
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(CFG, embed_dim=64, vocab_size=2000, ffn_dim=128)
+    enc = TransformerEncoder(cfg)
+    # token embeddings N(0, 1/e), scaled by sqrt(e) in the forward: unit variance
+    assert abs(enc.embed.weight.std().item() - 64**-0.5) < 0.05 * 64**-0.5
+    block = enc.blocks[0]
+    for norm in (block.attn_norm, block.ffn_norm, enc.norm):
+        assert (norm.weight == 1).all() and (norm.bias == 0).all()
+    assert (block.ffn.up.bias == 0).all() and (block.ffn.down.bias == 0).all()
+    # feed-forward weights: torch's Linear default, uniform with bound 1/sqrt(fan_in)
+    assert block.ffn.up.weight.abs().max() <= 64**-0.5
+    assert block.ffn.down.weight.abs().max() <= 128**-0.5

@@ -305,8 +305,8 @@ class MultiHeadAttention(nn.Module):
                 ``attnkit.masks.padding_mask(lengths)`` of shape ``(b, 1, 1, j)``), or a mask
                 function. With a cache, ``j`` counts the cached keys too.
             is_causal: causal self-attention, aligned bottom-right (see ``KVCache``).
-            need_weights: also return the per-head weights ``(b, h, i, j)``; this runs the
-                ``"math"`` backend when ``backend="auto"``.
+            need_weights: also return the per-head weights ``(b, h, i, j)`` (before dropout);
+                this runs the ``"math"`` backend when ``backend="auto"``.
             bias: additive score bias broadcastable to ``(b, h, i, j)``, or a bias function
                 (relative positions, ALiBi).
             rope: a q/k transform such as ``attnkit.RotaryEmbedding``, applied to queries and

@@ -15,8 +15,9 @@ Parameter names are stable (other code loads weights into them):
 Initialisation (deliberate, documented once here):
 
 * attention projections: Xavier-uniform, zero biases (see ``attnkit.attention``);
-* feed-forward ``up``/``gate``: Kaiming-uniform for the activation that follows (torch's
-  ``nn.Linear`` default, what ``nn.TransformerEncoderLayer`` uses), ``down`` the same, zero biases;
+* feed-forward ``up``, ``gate``, ``down``: torch's ``nn.Linear`` default, uniform in
+  ``±1/sqrt(fan_in)`` (Kaiming-uniform with ``a = sqrt(5)``), as in ``nn.TransformerEncoderLayer``,
+  so a fresh block and an imported one start alike; biases zero;
 * layer norms: weight 1, bias 0, so every block starts as a well-scaled residual update;
 * token embeddings: ``N(0, 1/e)`` and multiplied by ``sqrt(e)`` in the forward (Vaswani et al.
   2017, section 3.4), so token vectors have unit variance, the scale of the sinusoidal table.
@@ -94,7 +95,7 @@ class FeedForward(nn.Module):
         for lin in (self.up, self.gate, self.down):
             if lin is None:
                 continue
-            lin.reset_parameters()  # Kaiming-uniform, torch's Linear default
+            lin.reset_parameters()  # torch's Linear default: U(±1/sqrt(fan_in))
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
 
@@ -204,15 +205,24 @@ class TransformerBlock(nn.Module):
 
     @classmethod
     def from_torch(
-        cls, layer: nn.TransformerEncoderLayer, *, backend: str = "auto"
+        cls,
+        layer: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer,
+        *,
+        backend: str = "auto",
     ) -> TransformerBlock:
-        """A block holding a copy of ``nn.TransformerEncoderLayer``'s weights (same dtype/device).
+        """A block holding a copy of a torch layer's weights (same dtype and device).
 
-        Supports ``norm_first`` either way and relu/gelu activations. The result is batch-first
-        whatever the layer's ``batch_first``.
+        ``nn.TransformerEncoderLayer`` gives a self-attention block; ``nn.TransformerDecoderLayer``
+        a block with cross-attention (its ``multihead_attn``; ``norm1, norm2, norm3`` become
+        ``attn_norm, cross_norm, ffn_norm``). Supports ``norm_first`` either way and relu/gelu
+        activations. The result is batch-first whatever the layer's ``batch_first``.
         """
-        if not isinstance(layer, nn.TransformerEncoderLayer):
-            raise TypeError(f"expected nn.TransformerEncoderLayer, got {type(layer).__name__}")
+        decoder = isinstance(layer, nn.TransformerDecoderLayer)
+        if not (decoder or isinstance(layer, nn.TransformerEncoderLayer)):
+            raise TypeError(
+                "expected nn.TransformerEncoderLayer or nn.TransformerDecoderLayer, got "
+                f"{type(layer).__name__}"
+            )
         act = layer.activation
         if act is F.relu or isinstance(act, nn.ReLU):
             activation = "relu"
@@ -233,6 +243,7 @@ class TransformerBlock(nn.Module):
             dropout=layer.dropout.p,
             activation=activation,
             norm_first=layer.norm_first,
+            cross_attention=decoder,
             eps=layer.norm1.eps,
             backend=backend,
         ).to(dtype=weight.dtype, device=weight.device)
@@ -241,7 +252,15 @@ class TransformerBlock(nn.Module):
             block.ffn.up.load_state_dict(layer.linear1.state_dict())
             block.ffn.down.load_state_dict(layer.linear2.state_dict())
             block.attn_norm.load_state_dict(layer.norm1.state_dict())
-            block.ffn_norm.load_state_dict(layer.norm2.state_dict())
+            if decoder:
+                assert block.cross_norm is not None
+                block.cross_attn = MultiHeadAttention.from_torch(
+                    layer.multihead_attn, backend=backend
+                )
+                block.cross_norm.load_state_dict(layer.norm2.state_dict())
+                block.ffn_norm.load_state_dict(layer.norm3.state_dict())
+            else:
+                block.ffn_norm.load_state_dict(layer.norm2.state_dict())
         return block
 
 

@@ -18,6 +18,7 @@ Inspection runs in ``torch.no_grad()``; modules pinned to a backend that cannot 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,7 +169,7 @@ def inspect_attention(
     handles = []
     saved_backends = {id(m): m.backend for _, m in modules}
 
-    def make_hooks(name: str, module: MultiHeadAttention):
+    def make_hooks(name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
         def pre(mod: nn.Module, args: tuple, kw: dict) -> tuple[tuple, dict]:
             query = args[0] if args else kw["query"]
             key = args[1] if len(args) > 1 and args[1] is not None else kw.get("key")
@@ -200,7 +201,7 @@ def inspect_attention(
         for name, module in modules:
             if module.backend not in ("auto", "math"):
                 module.backend = "math"
-            pre, post = make_hooks(name, module)
+            pre, post = make_hooks(name)
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(module.register_forward_hook(post, with_kwargs=True))
         with torch.no_grad():

@@ -133,7 +133,9 @@ class RotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}"
 
-    def cos_sin(self, n: int, offset: int = 0, *, device=None) -> tuple[Tensor, Tensor]:
+    def cos_sin(
+        self, n: int, offset: int = 0, *, device: torch.device | str | None = None
+    ) -> tuple[Tensor, Tensor]:
         """``cos`` and ``sin`` of the angles for positions ``offset ..``, each ``(n, d)``."""
         _check_offset(offset)
         half = self.head_dim // 2
@@ -285,7 +287,9 @@ class RelativePositionAttention(MultiHeadAttention):
     def extra_repr(self) -> str:
         return super().extra_repr() + f", max_distance={self.max_distance}"
 
-    def relative_index(self, n_queries: int, n_keys: int, device=None) -> Tensor:
+    def relative_index(
+        self, n_queries: int, n_keys: int, device: torch.device | str | None = None
+    ) -> Tensor:
         """Bucket ``clip(j - i) + max_distance`` of every query/key pair, ``(i, j)`` int64."""
         offset = n_keys - n_queries  # query t sits at key position t + offset
         i = torch.arange(n_queries, device=device).view(-1, 1) + offset  # (i, 1)
