@@ -94,8 +94,18 @@ def iris_md(rows: list[dict]) -> str:
         + "What the heads do (seed 0, mean attention over the test flowers, from "
         + "`runs/iris-seed0/attention.json`; the picture is `attention.png`):\n\n"
         + heads
-        + ("\n\n" + rows[0]["heads_summary"] if "heads_summary" in rows[0] else "")
+        + "\n\n"
+        + _heads_summary(rows[0])
     )
+
+
+def _heads_summary(row: dict, runs: Path = Path("runs")) -> str:
+    if "heads_summary" in row:
+        return row["heads_summary"]
+    from attnkit.train.iris import summarize_heads  # older runs: recompute from attention.json
+
+    maps = json.loads((runs / f"iris-seed{row['seed']}" / "attention.json").read_text())["maps"]
+    return summarize_heads(torch.tensor(maps))
 
 
 def _limit(m: dict) -> str:
