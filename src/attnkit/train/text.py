@@ -40,7 +40,7 @@ from attnkit.train.checkpoint import (
     save_json,
 )
 from attnkit.train.data import RT_LABELS, TextData, Vocab, load_rotten_tomatoes
-from attnkit.train.loop import TrainConfig, evaluate, fit
+from attnkit.train.loop import TrainConfig, default_optimizer, evaluate, fit
 
 __all__ = ["PRETRAINED_TRAIN", "SCRATCH_TRAIN", "baseline_tfidf", "train_text"]
 
@@ -61,6 +61,7 @@ PRETRAINED_TRAIN = TrainConfig(
 PRETRAINED_FREEZE = 3
 VOCAB_FILE = "vocab.json"
 TRAIN_EVAL = 500
+HEAD_LR_SCALE = 20.0
 
 
 def baseline_tfidf(data: TextData) -> dict[str, float]:
@@ -132,6 +133,24 @@ def _build(variant: str, config: dict[str, Any], seed: int) -> torch.nn.Module:
         bert = load_pretrained()
         return PretrainedTextClassifier(bert.model, **config)
     raise ValueError(f"variant must be 'scratch' or 'pretrained', got {variant!r}")
+
+
+def pretrained_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW where the new head learns ``HEAD_LR_SCALE`` times faster than the pretrained body.
+
+    The head starts from random weights and a short fine-tune gives it few steps; the body
+    needs small steps so it does not forget what it knows (a common discriminative setting,
+    Howard & Ruder 2018, "ULMFiT", section 3.2).
+    """
+    model = getattr(model, "module", model)  # under torchrun, fit gets the DDP wrapper
+    head = [p for p in model.head.parameters() if p.requires_grad]
+    body = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("head.")]
+    groups = [
+        {"params": [p for p in body if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in body if p.dim() < 2], "weight_decay": 0.0},
+        {"params": head, "weight_decay": 0.0, "lr_scale": HEAD_LR_SCALE},
+    ]
+    return torch.optim.AdamW(groups, lr=config.lr)
 
 
 def _tokenizer() -> Any:
@@ -269,6 +288,7 @@ def train_text(
     base = baseline_tfidf(data) if baseline else None
     model = _build(variant, config, seed)
     train, val, test = sets
+    make_optimizer = default_optimizer if variant == "scratch" else pretrained_optimizer
     # Data parallel through fit's seams (a no-op on one process): attnkit.distributed.ddp.
     fit_model, fit_config, fit_kwargs = prepare_fit(model, train_config, env)
     result = fit(
@@ -279,6 +299,7 @@ def train_text(
         out_dir=out,
         resume=resume,
         progress=progress if env.is_main else False,
+        make_optimizer=make_optimizer,
         **fit_kwargs,
     )
     # Validation accuracy of the kept epoch is already known (same weights, eval mode); the
