@@ -117,6 +117,8 @@ def test_ring_attention_matches_single_process(world: int, tmp_path: Path) -> No
     report = tmp_path / "errors.json"
     run_workers(_worker, world, str(report))
     result = json.loads(report.read_text())
+    for name, errors in result["cases"].items():  # shown with pytest -s or -rA
+        print(f"W={world} {name}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     assert set(result["cases"]) == {case[0] for case in CASES}
     assert max(result["worst_per_rank"]) < TOL
 
