@@ -70,11 +70,11 @@ def _train_config(args: argparse.Namespace, default):
 
 def run(args: argparse.Namespace) -> int:
     # Under `torchrun --nproc_per_node=W -m attnkit.cli train ...` every process runs this:
-    # setup() joins the process group (gloo on CPU), training is data parallel (DDP) and only
+    # setup() joins the process group (gloo), training is data parallel (DDP) and only
     # rank 0 writes files and prints. Without torchrun it is a world of one.
     from attnkit.distributed import ddp
 
-    env = ddp.setup()
+    env = ddp.setup(backend="gloo")  # attnkit.train's loop runs on the CPU, so gloo even on GPUs
     try:
         code = _run(args, env, print if env.is_main else lambda *a, **k: None)  # rank 0 prints
         ddp.barrier(env)  # rank 0's files are complete before any process exits
