@@ -332,3 +332,13 @@ def test_gqa_with_lower_rank_mask_and_bias(mask_shape, bias_shape) -> None:
     got = sdpa(q, k, v, mask, bias=bias, backend="math")
     assert got.shape == (3, 6, 7, 5)
     torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["math", "torch"])
+def test_low_rank_masks_and_bias_broadcast(backend) -> None:
+    q, k, v = rand(2, 3, 4, 8, seed=0), rand(2, 3, 5, 8, seed=1), rand(2, 3, 5, 2, seed=2)
+    keep = torch.tensor([True, False, True, True, False])
+    bias = rand(5, seed=3)
+    expected = torch_oracle(q, k, v, keep.expand(4, 5), bias.expand(4, 5))
+    got = sdpa(q, k, v, keep, bias=bias, backend=backend)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)

@@ -45,6 +45,12 @@ def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     mask = None if causal_flag else call.dense_mask()
     bias = call.dense_bias(q.dtype)
 
+    # torch's kernel wants masks with the query's rank; pad broadcastable ones like (j,).
+    if mask is not None:
+        mask = mask.reshape((1,) * (q.ndim - mask.ndim) + tuple(mask.shape))
+    if bias is not None:
+        bias = bias.reshape((1,) * (q.ndim - bias.ndim) + tuple(bias.shape))
+
     row_has_key = None
     if mask is not None:
         row_has_key = mask.any(dim=-1, keepdim=True)  # (..., i, 1)
