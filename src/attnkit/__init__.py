@@ -6,7 +6,7 @@ The public surface is re-exported here; everything else is reachable through its
 
 # backends before anything that imports attnkit.functional: backends.chunked imports functional,
 # which imports backends.registry, so loading functional first would be a circular import.
-from attnkit import backends, distributed, masks, models, viz
+from attnkit import backends, distributed, masks, models, train, viz
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.backends import available_backends, register_backend
 from attnkit.backends.linear import linear_attention
@@ -60,5 +60,6 @@ __all__ = [
     "scaled_dot_product_attention",
     "tiled_attention",
     "topk_attention",
+    "train",
     "viz",
 ]

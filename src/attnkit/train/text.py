@@ -64,20 +64,30 @@ TRAIN_EVAL = 500
 HEAD_LR_SCALE = 20.0
 
 
-def baseline_tfidf(data: TextData) -> dict[str, float]:
-    """TF-IDF + logistic regression on the same split: the number to beat."""
+def baseline_tfidf(data: TextData, cs: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)) -> dict[str, Any]:
+    """TF-IDF + logistic regression on the same split: the number to beat.
+
+    Word unigrams with sublinear term frequency; the regularisation ``C`` is chosen on the
+    validation split (a fair, tuned baseline, not a straw man). Word bigrams scored lower on
+    validation here.
+    """
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
 
     started = time.perf_counter()
-    vec = TfidfVectorizer(ngram_range=(1, 2), min_df=1, sublinear_tf=True)
+    vec = TfidfVectorizer(sublinear_tf=True)
     x_train = vec.fit_transform(data.train_texts)
-    clf = LogisticRegression(C=4.0, max_iter=2000).fit(x_train, data.train_labels.numpy())
-    acc = lambda texts, y: float((clf.predict(vec.transform(texts)) == y.numpy()).mean())  # noqa: E731
+    x_val, x_test = vec.transform(data.val_texts), vec.transform(data.test_texts)
+    y_train, y_val = data.train_labels.numpy(), data.val_labels.numpy()
+    fits = {c: LogisticRegression(C=c, max_iter=2000).fit(x_train, y_train) for c in cs}
+    best_c = max(cs, key=lambda c: (fits[c].predict(x_val) == y_val).mean())
+    clf = fits[best_c]
+    acc = lambda x, y: round(float((clf.predict(x) == y.numpy()).mean()), 4)  # noqa: E731
     return {
-        "train_accuracy": round(acc(data.train_texts, data.train_labels), 4),
-        "val_accuracy": round(acc(data.val_texts, data.val_labels), 4),
-        "test_accuracy": round(acc(data.test_texts, data.test_labels), 4),
+        "train_accuracy": acc(x_train, data.train_labels),
+        "val_accuracy": acc(x_val, data.val_labels),
+        "test_accuracy": acc(x_test, data.test_labels),
+        "C": best_c,
         "seconds": round(time.perf_counter() - started, 2),
     }
 
