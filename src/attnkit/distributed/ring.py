@@ -33,7 +33,15 @@ late chunk.
 
 Communication uses ``torch.distributed`` point-to-point ops (``batch_isend_irecv``): gloo on
 CPU, NCCL on GPU. The next block's transfer is started before the current block is computed,
-so communication overlaps computation.
+so communication overlaps computation; the gradient accumulator is double-buffered for the same
+reason. Tested on gloo (CPU) only: the NCCL path uses the same calls on device tensors but has
+not been run.
+
+Every rank must call ``ring_attention`` with matching arguments. The shapes, ``is_causal`` and
+``layout`` are checked across ranks first (one small ``all_gather``), so a mismatch raises on
+every rank instead of hanging. Not supported (a clear error): dense mask or bias tensors (pass
+functions of global positions), ``dropout_p > 0``, and shard lengths that are not the
+``torch.tensor_split`` sizes of the chosen layout.
 """
 
 from __future__ import annotations
