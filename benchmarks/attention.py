@@ -26,7 +26,7 @@ Dense routes whose n x n tensors would exceed ``--max-dense-gb`` are skipped and
 FLOPs: forward ``4 b h n^2 d`` (half for causal, ``4 b h n w d`` for a window of ``w``),
 forward+backward 3.5x the forward (FlashAttention's convention: backward = 2.5 forwards).
 
-    python benchmarks/attention.py                # the full table (about 35-45 min, quiet machine)
+    python benchmarks/attention.py                # the full table (30-40 min, quiet machine)
     python benchmarks/attention.py --quick        # n = 512, 1024, 2 rounds: a smoke run
 """
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -244,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         print("peak memory needs Linux /proc; measuring time only", file=sys.stderr)
         args.no_memory = True
 
-    command = "python benchmarks/attention.py" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:])
+    command = shlex.join(
+        ["python", "benchmarks/attention.py", *(argv if argv is not None else sys.argv[1:])]
     )
     rows: list[dict] = []
     ceiling: list[float] = []

@@ -71,7 +71,7 @@ __all__ = [
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453  # ln(2): log(x) = log2(x) * ln(2)
-BLOCK_Q = 256
+BLOCK_Q = 512
 BLOCK_K = 512
 
 
@@ -294,7 +294,8 @@ def forward_blocks(
     spec = _Spec(
         scale, _pad4(mask), mask_fn, _pad4(bias), bias_fn, q_offset, k_offset, block_q, block_k
     )
-    out, lse = _forward(q, k, v, spec)
+    with torch.no_grad():  # the block step is the math of a backward, never differentiated
+        out, lse = _forward(q, k, v, spec)
     return out, lse
 
 
@@ -342,7 +343,8 @@ def backward_blocks(
     spec = _Spec(
         scale, _pad4(mask), mask_fn, _pad4(bias), bias_fn, q_offset, k_offset, block_q, block_k
     )
-    dq, dk, dv, _ = _backward(q, k, v, out, lse, grad_out, spec, want_dbias=False)
+    with torch.no_grad():
+        dq, dk, dv, _ = _backward(q, k, v, out, lse, grad_out, spec, want_dbias=False)
     return dq, dk, dv
 
 
