@@ -154,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller, faster sweep")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--threads", type=int, default=2, help="1 on a busy machine")
     args = parser.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     seeds = [0] if args.quick else [0, 1, 2]
     text_epochs, limit = (1, 2000) if args.quick else (3, None)
     started = time.perf_counter()
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     text = sweep_text(text_epochs, limit)
     took = time.perf_counter() - started
     cmd = "python benchmarks/configs.py" + (" --quick" if args.quick else "")
+    cmd += f" --threads {args.threads}" if args.threads != 2 else ""
     md = (
         "## Configuration sweep (Iris and review snippets)\n\n"
         f"`{cmd}` ({environment()}; {took / 60:.1f} min in all). Latency: median per example, "

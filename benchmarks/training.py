@@ -44,19 +44,32 @@ def iris_rows(runs: Path, reuse: bool) -> list[dict]:
     return rows
 
 
+def logistic_regression(seed: int) -> float:
+    """Test accuracy of scikit-learn's logistic regression on the same split (a reference)."""
+    from sklearn.linear_model import LogisticRegression
+
+    from attnkit.train.data import load_iris_splits
+
+    d = load_iris_splits(seed)
+    clf = LogisticRegression(max_iter=5000).fit(d.x_train.numpy(), d.y_train.numpy())
+    return float((clf.predict(d.x_test.numpy()) == d.y_test.numpy()).mean())
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
 
 def iris_md(rows: list[dict]) -> str:
     lines = [
-        "| seed | train % | val % | test % | best epoch | epochs run | seconds |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| seed | train % | val % | test % | best epoch | epochs run | seconds | LR test % |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
+    lr = [logistic_regression(r["seed"]) for r in rows]
+    for r, ref in zip(rows, lr, strict=True):
         lines.append(
             f"| {r['seed']} | {_pct(r['train_accuracy'])} | {_pct(r['val_accuracy'])} | "
-            f"{_pct(r['test_accuracy'])} | {r['epochs']} | {r['epochs_run']} | {r['seconds']:.1f} |"
+            f"{_pct(r['test_accuracy'])} | {r['epochs']} | {r['epochs_run']} | "
+            f"{r['seconds']:.1f} | {_pct(ref)} |"
         )
     test = [r["test_accuracy"] for r in rows]
     mean = lambda k: statistics.mean(r[k] for r in rows)  # noqa: E731
@@ -64,7 +77,7 @@ def iris_md(rows: list[dict]) -> str:
         f"| **mean** | {_pct(mean('train_accuracy'))} | {_pct(mean('val_accuracy'))} | "
         f"**{_pct(statistics.mean(test))}** (sd {_pct(statistics.stdev(test))}, "
         f"min {_pct(min(test))}, max {_pct(max(test))}) | {mean('epochs'):.0f} | "
-        f"{mean('epochs_run'):.0f} | {mean('seconds'):.1f} |"
+        f"{mean('epochs_run'):.0f} | {mean('seconds'):.1f} | {_pct(statistics.mean(lr))} |"
     )
     heads = "\n".join(f"- {h}" for h in rows[0]["heads"])
     return (
@@ -72,11 +85,27 @@ def iris_md(rows: list[dict]) -> str:
         f'{rows[0]["params"]:,} parameters; the brief\'s "~15,000" does not fit this '
         "configuration). 60/20/20 stratified split (90/30/30 flowers), standardised with "
         "training statistics; best epoch = the validation-selected epoch whose weights are "
-        'tested ("epochs to convergence"). Seconds: training time on 1 thread.\n\n'
+        'tested ("epochs to convergence"). Seconds: training time on 1 thread. LR: '
+        "scikit-learn's logistic regression on the same split, for reference.\n\n"
         + "\n".join(lines)
-        + "\n\nWhat the heads do (seed 0, mean attention over the test flowers, from "
-        "`runs/iris-seed0/attention.json`; the picture is `attention.png`):\n\n" + heads
+        + "\n\nTarget (issue 7): mean test accuracy >= 96 %: "
+        + f"{'met' if statistics.mean(test) >= 0.96 else 'NOT met'} "
+        + f"({_pct(statistics.mean(test))} %).\n\n"
+        + "What the heads do (seed 0, mean attention over the test flowers, from "
+        + "`runs/iris-seed0/attention.json`; the picture is `attention.png`):\n\n"
+        + heads
+        + "\n\n"
+        + _heads_summary(rows[0])
     )
+
+
+def _heads_summary(row: dict, runs: Path = Path("runs")) -> str:
+    if "heads_summary" in row:
+        return row["heads_summary"]
+    from attnkit.train.iris import summarize_heads  # older runs: recompute from attention.json
+
+    maps = json.loads((runs / f"iris-seed{row['seed']}" / "attention.json").read_text())["maps"]
+    return summarize_heads(torch.tensor(maps))
 
 
 def _limit(m: dict) -> str:
@@ -93,11 +122,17 @@ def text_md(runs: Path) -> str:
     if not found:
         return "**Reviews**: no runs found under `runs/` (see the commands above)."
     any_run = next(iter(found.values()))
-    b = any_run["baseline"]
+    # The baseline is cheap: recompute it on the same (seeded) split with the current code, so
+    # every row of the table uses the same baseline definition.
+    from attnkit.train.data import load_rotten_tomatoes
+    from attnkit.train.text import baseline_tfidf
+
+    b = baseline_tfidf(load_rotten_tomatoes(0))
     lines = [
         "| model | params | train % | val % | test % | best epoch | seconds | command |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
-        f"| TF-IDF (1-2 grams) + logistic regression | - | {_pct(b['train_accuracy'])} | "
+        f"| TF-IDF + logistic regression (C={b['C']} chosen on val) | - | "
+        f"{_pct(b['train_accuracy'])} | "
         f"{_pct(b['val_accuracy'])} | {_pct(b['test_accuracy'])} | - | {b['seconds']:.1f} | "
         "(same run) |",
     ]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -77,8 +78,8 @@ def test_html_explorer_and_strongest_links(
     mean = fake.attentions[-1, 0].mean(0).double()
     best = max(((q, k) for q in range(1, 7) for k in range(1, 7) if q != k), key=lambda p: mean[p])
     first = lines[2].split()
-    assert first[:3] == [tokens[best[0]], "->", tokens[best[1]]]
-    assert float(first[3]) == pytest.approx(mean[best].item(), abs=5e-4)
+    assert first[:5] == [str(best[0]), tokens[best[0]], "->", str(best[1]), tokens[best[1]]]
+    assert float(first[5]) == pytest.approx(mean[best].item(), abs=5e-4)
     assert len(lines) == 5  # header + top 3
 
 
@@ -90,8 +91,8 @@ def test_strongest_links_of_one_head() -> None:
     att[0, 1, 1, 1] = 0.95  # to itself: left out
     text = show.strongest_links(att, ["[CLS]", "b", "c", "[SEP]"], layer=0, head=1, top=5)
     assert text.splitlines()[1:] == [
-        "  b -> c  0.700  " + "█" * 14,
-        "  c -> b  0.200  " + "█" * 4,
+        "  1 b -> 2 c  0.700  " + "█" * 14,
+        "  2 c -> 1 b  0.200  " + "█" * 4,
     ]
     one_word = show.strongest_links(att, ["[CLS]", "b", "[SEP]", "[PAD]"], top=5)
     assert "(none" in one_word
@@ -186,3 +187,55 @@ def test_demo_step_writes_the_explorer(
     assert fake.texts == [demo.EXPLORER_SENTENCE]
     out = capsys.readouterr().out
     assert str(path) in out and "Strongest links" in out
+
+
+def test_html_starts_at_the_requested_layer_and_head(fake: FakeBert, tmp_path: Path) -> None:
+    out = tmp_path / "a.html"
+    assert main(["show", "a b c", "--layer", "2", "--head", "3", "--out", str(out)]) == 0
+    page = out.read_text(encoding="utf-8")
+    assert '"layer":2,"head":3' in page
+
+
+# ---- end to end: the bundled MiniLM through attnkit's BERT, Hugging Face as the oracle ----
+
+
+@pytest.mark.slow
+def test_end_to_end_with_the_bundled_minilm(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    transformers = pytest.importorskip("transformers", reason="the hf extra holds the oracle")
+    from attnkit.models.bert_pretrained import bundled_model_path
+
+    text = "The cat sat on the mat."
+    out = tmp_path / "attention.html"
+    assert main(["show", text, "--out", str(out), "--layer", "3", "--head", "7"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"wrote {out}"
+    assert printed[1].startswith("Strongest links, layer 3, head 7")
+
+    path = bundled_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    hf = transformers.BertModel.from_pretrained(str(path), attn_implementation="eager").eval()
+    batch = tokenizer([text], return_tensors="pt")
+    with torch.no_grad():
+        expected = torch.stack(hf(**batch, output_attentions=True).attentions)[:, 0]  # (l,h,i,j)
+    tokens = tokenizer.convert_ids_to_tokens(batch["input_ids"][0])
+
+    page = out.read_text(encoding="utf-8")
+    data = json.loads(re.search(r'class="ak-data">(.*?)</script>', page, flags=re.S).group(1))
+    assert data["queryTokens"] == tokens and (data["layer"], data["head"]) == (3, 7)
+    weights = _embedded_weights(page, (6, 12, len(tokens), len(tokens)))
+    np.testing.assert_allclose(weights, expected.numpy(), atol=1e-5)
+
+    png = tmp_path / "heads.png"
+    assert main(["show", text, "--out", str(png), "--layer", "5", "--top", "0"]) == 0
+    assert mpimg.imread(png).ndim == 3
+    assert capsys.readouterr().out == f"wrote {png}\n"
+
+
+@pytest.mark.slow
+def test_demo_runs_the_explorer_step_for_real(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["demo", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "attention.html") in out
+    assert "cat" in (tmp_path / "attention.html").read_text(encoding="utf-8")

@@ -145,3 +145,18 @@ def test_bad_datasets_are_rejected(iris):
     bad = {"features": train["features"][:5], "labels": train["labels"]}
     with pytest.raises(ValueError, match="rows like 'labels'"):
         fit(_model(), bad, val, TrainConfig(epochs=1))
+
+
+def test_parameter_groups_can_scale_the_schedule(iris):
+    train, val, _ = iris
+    model = _model(3)
+    frozen_by_scale = model.head.weight.detach().clone()
+
+    def make(m, config):
+        rest = [p for n, p in m.named_parameters() if n != "head.weight"]
+        groups = [{"params": rest}, {"params": [m.head.weight], "lr_scale": 0.0}]
+        return torch.optim.AdamW(groups, lr=config.lr, weight_decay=0.0)
+
+    fit(model, train, val, TrainConfig(epochs=1, patience=0), make_optimizer=make, progress=False)
+    assert torch.equal(model.head.weight, frozen_by_scale)  # lr 0 * schedule: untouched
+    assert not torch.equal(model.feature_weight, _model(3).feature_weight)  # the rest learned

@@ -163,7 +163,7 @@ def test_explorer_renders_switches_heads_and_shows_exact_weights(page: Page) -> 
     pg.select_option(".ak-head", "1")
     pg.hover(".ak-cell[data-q='2'][data-k='1']")
     ARTIFACTS.mkdir(exist_ok=True)
-    pg.screenshot(path=str(ARTIFACTS / "explorer.png"), full_page=True)
+    pg.screenshot(path=str(ARTIFACTS / "explorer-synthetic.png"), full_page=True)
     page.assert_clean()
 
 
@@ -206,4 +206,76 @@ def test_jupyter_repr_works_inside_its_iframe(page: Page) -> None:
     assert frame.locator(".ak-cell").count() == 16
     assert frame.locator(".ak-row-label").all_inner_texts() == ["a", "b", XSS, "d"]
     assert pg.locator("img").count() == 0 and frame.locator("img").count() == 0
+    page.assert_clean()
+
+
+@pytest.mark.slow
+def test_minilm_sized_input_with_300_tokens(page: Page) -> None:
+    # The bundled MiniLM's shape (6 layers x 12 heads) over 300 tokens: the page loads, switches
+    # heads and answers hovers (canvas heat map, 72 thumbnails, thousands of lines).
+    att = _attention(6, 12, 300, 300, seed=2)
+    tokens = [f"w{n}" for n in range(300)]
+    pg = page.open(AttentionExplorer(att, tokens))
+    assert pg.locator(".ak-thumb").count() == 72
+    pg.select_option(".ak-layer", "5")
+    pg.select_option(".ak-head", "11")
+    pg.hover(".ak-col-q .ak-ltok[data-q='17']")
+    weights = [float(t) for t in pg.locator(".ak-readout .ak-weight").all_inner_texts()]
+    assert weights == pytest.approx(sorted(att[5, 11, 17].tolist(), reverse=True)[:3], rel=1e-6)
+    pg.click(".ak-thumb[data-layer='3'][data-head='4']")
+    canvas = pg.locator(".ak-matrix-canvas")
+    canvas.scroll_into_view_if_needed()
+    box = canvas.bounding_box()
+    canvas.hover(position={"x": 250.5 * box["width"] / 300, "y": 40.5 * box["height"] / 300})
+    assert _weight(pg) == pytest.approx(att[3, 4, 40, 250].item(), rel=1e-6, abs=1e-12)
+    page.assert_clean()
+
+
+@pytest.mark.slow
+def test_missing_chromium_fails_with_a_hint(tmp_path: Path) -> None:
+    # Without a browser these tests must fail (not skip) and say how to get one.
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ATTNKIT_CHROMIUM=str(tmp_path / "no-chromium"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "jupyter"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert "run `make test`" in done.stdout and "1 error" in done.stdout
+
+
+@pytest.mark.slow
+def test_attnkit_show_page_for_the_bundled_minilm(page: Page) -> None:
+    # What a person does: `attnkit show TEXT`, then open the page. The text carries markup.
+    from attnkit.cli import main
+    from attnkit.models.bert import load_pretrained
+
+    text = f"The cat sat on the mat. {XSS}"
+    out = page.tmp_path / "attention.html"
+    assert main(["show", text, "--out", str(out), "--top", "0"]) == 0
+    result = load_pretrained().encode([text], need_weights=True)
+    tokens, att = result.tokens[0], result.attentions[:, 0]  # (l, h, i, j)
+
+    pg = page.page
+    pg.goto(out.as_uri())
+    pg.wait_for_selector(".attnkit-explorer[data-ready]", timeout=60_000)
+    assert pg.locator(".ak-row-label").all_inner_texts() == tokens
+    assert pg.locator(".ak-thumb").count() == 72
+    assert text in pg.inner_text(".ak-text")
+    assert pg.locator("img").count() == 0
+    for layer, head in ((0, 0), (4, 9)):
+        pg.select_option(".ak-layer", str(layer))
+        pg.select_option(".ak-head", str(head))
+        pg.hover(".ak-cell[data-q='2'][data-k='6']")
+        assert _weight(pg) == pytest.approx(att[layer, head, 2, 6].item(), rel=1e-5, abs=1e-7)
+    pg.select_option(".ak-layer", "2")
+    pg.select_option(".ak-head", "5")
+    pg.hover(".ak-col-q .ak-ltok[data-q='2']")
+    ARTIFACTS.mkdir(exist_ok=True)
+    pg.screenshot(path=str(ARTIFACTS / "explorer.png"), full_page=True)
     page.assert_clean()

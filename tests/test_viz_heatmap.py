@@ -161,6 +161,7 @@ def test_without_matplotlib_the_error_says_what_to_install(monkeypatch: pytest.M
         plot_attention(_attention(2, 2), ["a", "b"])
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch: several seconds on a busy machine
 def test_importing_viz_does_not_import_matplotlib() -> None:
     code = "import sys, attnkit.viz; assert 'matplotlib' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -4,7 +4,7 @@ The public surface is re-exported here; everything else is reachable through its
 (``attnkit.masks``, ``attnkit.backends``, ...).
 """
 
-from attnkit import distributed, masks, models, viz
+from attnkit import distributed, masks, models, train, viz
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.backends import available_backends, register_backend
 from attnkit.backends.linear import linear_attention
@@ -57,5 +57,6 @@ __all__ = [
     "scaled_dot_product_attention",
     "tiled_attention",
     "topk_attention",
+    "train",
     "viz",
 ]

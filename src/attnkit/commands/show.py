@@ -44,7 +44,9 @@ def load_model() -> Any:
 def encode(text: str) -> tuple[Any, list[str]]:
     """``(attention (l, h, i, i), tokens)`` of the bundled model for one text."""
     result = load_model().encode([text], need_weights=True)
-    return result.attentions[:, 0], list(result.tokens[0])  # (l, b, h, i, j) -> (l, h, i, j)
+    tokens = list(result.tokens[0])
+    n = len(tokens)  # real tokens; a batch of one has no padding, but slice to be sure
+    return result.attentions[:, 0, :, :n, :n], tokens  # (l, b, h, i, j) -> (l, h, i, j)
 
 
 def strongest_links(
@@ -83,13 +85,15 @@ def strongest_links(
     order = torch.argsort(values, descending=True)[:top]
     width_q = max(len(tokens[q]) for q, _ in candidates.tolist())
     width_k = max(len(tokens[k]) for _, k in candidates.tolist())
+    digits = len(str(len(tokens) - 1))
     lines = [header]
     for idx in order.tolist():
         q, k = candidates[idx].tolist()
         w = float(values[idx])
+        # positions tell repeated words apart ("the" at 1 and at 5)
         lines.append(
-            f"  {tokens[q]:>{width_q}} -> {tokens[k]:<{width_k}}  {w:.3f}  "
-            + BAR * max(1, round(w * 20))
+            f"  {q:>{digits}} {tokens[q]:<{width_q}} -> {k:>{digits}} {tokens[k]:<{width_k}}"
+            f"  {w:.3f}  " + BAR * max(1, round(w * 20))
         )
     return "\n".join(lines)
 
@@ -116,6 +120,8 @@ def write_output(
             head=head or 0,
         )
         return explorer.save(out)
+    if len(text) > 60:  # a picture's title stays on one line
+        text = text[:59] + "…"
     if layer is not None and head is not None:
         fig = viz.plot_attention(
             attention[layer, head], tokens, title=f"Layer {layer}, head {head}: {text}"

@@ -46,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch threads (default: 1 for iris, whose tensors are tiny; 2 for text)",
+        help="torch threads (default 1, 2 for the pretrained model; on a busy machine use 1: "
+        "two threads that wait for each other can be 20x slower)",
     )
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -101,7 +102,7 @@ def _run(args: argparse.Namespace, env: DistEnv, say: Callable[..., None]) -> in
 
     from attnkit.train.tasks import format_table
 
-    torch.set_num_threads(args.threads or (1 if args.task == "iris" else 2))
+    torch.set_num_threads(args.threads or (2 if variant == "pretrained" else 1))
     progress = False if args.quiet else None
     sizes = {"d_model": args.d_model, "num_heads": args.heads, "num_layers": args.layers}
     sizes = {k: v for k, v in sizes.items() if v is not None}

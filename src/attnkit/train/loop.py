@@ -307,8 +307,8 @@ def fit(
         for start in range(0, len(order), config.batch_size):
             batch = _take(train, order[start : start + config.batch_size])
             labels = batch.pop("labels")
-            for group in opt.param_groups:
-                group["lr"] = lr_at(state["step"], total_steps, config)
+            for group in opt.param_groups:  # a group may scale the schedule ("lr_scale")
+                group["lr"] = lr_at(state["step"], total_steps, config) * group.get("lr_scale", 1.0)
             logits = model(**batch)
             loss = F.cross_entropy(logits, labels)
             opt.zero_grad(set_to_none=True)

@@ -40,7 +40,7 @@ from attnkit.train.checkpoint import (
     save_json,
 )
 from attnkit.train.data import RT_LABELS, TextData, Vocab, load_rotten_tomatoes
-from attnkit.train.loop import TrainConfig, evaluate, fit
+from attnkit.train.loop import TrainConfig, default_optimizer, evaluate, fit
 
 __all__ = ["PRETRAINED_TRAIN", "SCRATCH_TRAIN", "baseline_tfidf", "train_text"]
 
@@ -61,22 +61,33 @@ PRETRAINED_TRAIN = TrainConfig(
 PRETRAINED_FREEZE = 3
 VOCAB_FILE = "vocab.json"
 TRAIN_EVAL = 500
+HEAD_LR_SCALE = 20.0
 
 
-def baseline_tfidf(data: TextData) -> dict[str, float]:
-    """TF-IDF + logistic regression on the same split: the number to beat."""
+def baseline_tfidf(data: TextData, cs: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)) -> dict[str, Any]:
+    """TF-IDF + logistic regression on the same split: the number to beat.
+
+    Word unigrams with sublinear term frequency; the regularisation ``C`` is chosen on the
+    validation split (a fair, tuned baseline, not a straw man). Word bigrams scored lower on
+    validation here.
+    """
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
 
     started = time.perf_counter()
-    vec = TfidfVectorizer(ngram_range=(1, 2), min_df=1, sublinear_tf=True)
+    vec = TfidfVectorizer(sublinear_tf=True)
     x_train = vec.fit_transform(data.train_texts)
-    clf = LogisticRegression(C=4.0, max_iter=2000).fit(x_train, data.train_labels.numpy())
-    acc = lambda texts, y: float((clf.predict(vec.transform(texts)) == y.numpy()).mean())  # noqa: E731
+    x_val, x_test = vec.transform(data.val_texts), vec.transform(data.test_texts)
+    y_train, y_val = data.train_labels.numpy(), data.val_labels.numpy()
+    fits = {c: LogisticRegression(C=c, max_iter=2000).fit(x_train, y_train) for c in cs}
+    best_c = max(cs, key=lambda c: (fits[c].predict(x_val) == y_val).mean())
+    clf = fits[best_c]
+    acc = lambda x, y: round(float((clf.predict(x) == y.numpy()).mean()), 4)  # noqa: E731
     return {
-        "train_accuracy": round(acc(data.train_texts, data.train_labels), 4),
-        "val_accuracy": round(acc(data.val_texts, data.val_labels), 4),
-        "test_accuracy": round(acc(data.test_texts, data.test_labels), 4),
+        "train_accuracy": acc(x_train, data.train_labels),
+        "val_accuracy": acc(x_val, data.val_labels),
+        "test_accuracy": acc(x_test, data.test_labels),
+        "C": best_c,
         "seconds": round(time.perf_counter() - started, 2),
     }
 
@@ -132,6 +143,23 @@ def _build(variant: str, config: dict[str, Any], seed: int) -> torch.nn.Module:
         bert = load_pretrained()
         return PretrainedTextClassifier(bert.model, **config)
     raise ValueError(f"variant must be 'scratch' or 'pretrained', got {variant!r}")
+
+
+def pretrained_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW where the new head learns ``HEAD_LR_SCALE`` times faster than the pretrained body.
+
+    The head starts from random weights and a short fine-tune gives it few steps; the body
+    needs small steps so it does not forget what it knows (a common discriminative setting,
+    Howard & Ruder 2018, "ULMFiT", section 3.2).
+    """
+    head = [p for p in model.head.parameters() if p.requires_grad]
+    body = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("head.")]
+    groups = [
+        {"params": [p for p in body if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in body if p.dim() < 2], "weight_decay": 0.0},
+        {"params": head, "weight_decay": 0.0, "lr_scale": HEAD_LR_SCALE},
+    ]
+    return torch.optim.AdamW(groups, lr=config.lr)
 
 
 def _tokenizer() -> Any:
@@ -269,8 +297,11 @@ def train_text(
     base = baseline_tfidf(data) if baseline else None
     model = _build(variant, config, seed)
     train, val, test = sets
+    make_optimizer = default_optimizer if variant == "scratch" else pretrained_optimizer
     # Data parallel through fit's seams (a no-op on one process): attnkit.distributed.ddp.
-    fit_model, fit_config, fit_kwargs = prepare_fit(model, train_config, env)
+    fit_model, fit_config, fit_kwargs = prepare_fit(
+        model, train_config, env, make_optimizer=make_optimizer
+    )
     result = fit(
         fit_model,
         train,

@@ -206,7 +206,10 @@
       inner.addEventListener("mouseleave", function () {
         state.focusQ = state.focusK = null; paintLabels(); renderLines();
       });
-      wrap.appendChild(inner); box.appendChild(wrap);
+      var heads = el("div", "ak-lines-heads");
+      heads.appendChild(el("span", null, "queries (i)"));
+      heads.appendChild(el("span", null, "keys (j)"));
+      wrap.appendChild(heads); wrap.appendChild(inner); box.appendChild(wrap);
     }
     function renderLines() {
       var ctx = linesCanvas.getContext("2d"), m = state.cur, mx = state.max;

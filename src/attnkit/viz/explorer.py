@@ -20,7 +20,7 @@ Attention is not explanation (Jain and Wallace 2019; Wiegreffe and Pinter 2019):
 from __future__ import annotations
 
 import base64
-import html
+import html as _html
 import os
 from collections.abc import Sequence
 from functools import cache
@@ -72,8 +72,8 @@ class AttentionExplorer:
         *,
         title: str = "Attention explorer",
         text: str | None = None,
-        layer: int = 0,
-        head: int = 0,
+        layer: int | None = 0,
+        head: int | None = 0,
         rollout: bool | None = None,
     ) -> None:
         arr, q_tokens, k_tokens = as_attention4d(attention, tokens, key_tokens)
@@ -83,8 +83,8 @@ class AttentionExplorer:
         self.key_tokens = k_tokens
         self.title = str(title)
         self.text = text
-        self.layer = check_index(layer, n_layers, "layer")
-        self.head = check_index(head, n_heads, "head")
+        self.layer = check_index(layer, n_layers, "layer") or 0  # None: the first
+        self.head = check_index(head, n_heads, "head") or 0
         if rollout and i != j:
             raise ValueError(f"rollout needs self-attention (i == j), got i={i}, j={j}")
         self.rollout = (i == j) if rollout is None else bool(rollout)
@@ -130,13 +130,13 @@ class AttentionExplorer:
         text = (
             ""
             if self.text is None
-            else (f'<p class="ak-text">Input: <q>{html.escape(self.text)}</q></p>')
+            else (f'<p class="ak-text">Input: <q>{_html.escape(self.text)}</q></p>')
         )
         return _PAGE.format(
-            title=html.escape(self.title),
+            title=_html.escape(self.title),
             text=text,
-            summary=html.escape(summary),
-            caveat=html.escape(CAVEAT),
+            summary=_html.escape(summary),
+            caveat=_html.escape(CAVEAT),
             css=_asset("explorer.css"),
             data=json_for_script(self._data()),
             js=_asset("explorer.js"),
@@ -151,7 +151,7 @@ class AttentionExplorer:
         return (
             '<iframe class="attnkit-explorer-frame" sandbox="allow-scripts" '
             'style="width:100%;height:760px;border:1px solid #ddd" '
-            f'srcdoc="{html.escape(self.to_html(), quote=True)}"></iframe>'
+            f'srcdoc="{_html.escape(self.to_html(), quote=True)}"></iframe>'
         )
 
 
@@ -165,7 +165,7 @@ def explorer_html(
     return AttentionExplorer(attention, tokens, key_tokens, **kwargs).to_html()
 
 
-def save_html(html_text: str | AttentionExplorer, path: str | os.PathLike[str]) -> Path:
+def save_html(html: str | AttentionExplorer, path: str | os.PathLike[str]) -> Path:
     """Write HTML atomically (the file is either the old one or complete); returns the path.
 
     Accepts a whole document, a fragment (such as :func:`token_highlight_html` returns; it is
@@ -173,8 +173,7 @@ def save_html(html_text: str | AttentionExplorer, path: str | os.PathLike[str]) 
     """
     from attnkit._io import atomic_write_text, check_writable
 
-    if isinstance(html_text, AttentionExplorer):
-        html_text = html_text.to_html()
+    html_text = html.to_html() if isinstance(html, AttentionExplorer) else html
     if not isinstance(html_text, str):
         raise TypeError(f"html must be a str, got {type(html_text).__name__}")
     check_writable(path)
