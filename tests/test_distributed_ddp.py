@@ -199,8 +199,6 @@ def test_data_parallel_training_equals_one_process_resumes_and_runs_the_cli(
     metrics = json.loads((tmp_path / "cli" / "metrics.json").read_text())
     assert metrics["epochs_run"] == 2 and metrics["test_accuracy"] > 0.5
     assert capfd.readouterr().out.count("checkpoint and metrics.json in") == 2  # rank 0, twice
-    with capfd.disabled():  # the parity figures, shown with pytest -s
-        print({k: result[k] for k in ("plain_param_diff", "iris_param_diff")})
 
 
 def test_prepare_fit_global_batch_must_divide() -> None:
