@@ -163,15 +163,20 @@ def _markdown(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         f"{r['world']} process{'es' if r['world'] > 1 else ''}: {max(r['peak_mib']):.0f} MiB"
         for r in largest
     )
+    base = max(largest[0]["peak_mib"])
+    overhead = ", ".join(
+        f"{max(r['peak_mib']) * r['world'] / base:.1f} at W = {r['world']}" for r in largest[1:]
+    )
     lines += [
         "",
         f"Peak memory per rank at n = {max(args.n)}: {peaks}. Each ring rank holds n / W "
-        "positions of the inputs, outputs and gradients plus the travelling key/value block and "
-        "gradient accumulator (double-buffered so that messages overlap computation), so its "
-        "memory is O(n / W) with about twice the constant of single-process tiled attention. "
-        "Time: every configuration shares the same cores, so the ring does the same arithmetic "
-        "plus messages; time ratios here compare one process with several threads against "
-        "several single-threaded processes, not the speed-up that W machines would bring.",
+        "positions of the inputs, outputs and gradients, plus the key/value block in transit "
+        "(double-buffered so that messages overlap computation) and one gradient accumulator, "
+        "so its memory is O(n / W); W x (memory per rank) / (memory of one process) = "
+        f"{overhead}. Time: every configuration shares the same cores, so the ring does the "
+        "same arithmetic plus messages; time ratios here compare one process with several "
+        "threads against several single-threaded processes, not the speed-up that W machines "
+        "would bring.",
     ]
     return "\n".join(lines)
 

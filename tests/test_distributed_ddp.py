@@ -199,5 +199,15 @@ def test_data_parallel_training_equals_one_process_resumes_and_runs_the_cli(
     metrics = json.loads((tmp_path / "cli" / "metrics.json").read_text())
     assert metrics["epochs_run"] == 2 and metrics["test_accuracy"] > 0.5
     assert capfd.readouterr().out.count("checkpoint and metrics.json in") == 2  # rank 0, twice
-    with capfd.disabled():  # the parity figures, shown with pytest -s
-        print({k: result[k] for k in ("plain_param_diff", "iris_param_diff")})
+
+
+def test_prepare_fit_global_batch_must_divide() -> None:
+    from attnkit.train import TrainConfig
+
+    two_ranks = ddp.DistEnv(rank=1, world_size=2)  # checked before any process group is used
+    with pytest.raises(ValueError, match=r"--batch-size .* 15 is not divisible by 2"):
+        ddp.prepare_fit(nn.Linear(2, 2), TrainConfig(batch_size=15), two_ranks)
+    alone = ddp.DistEnv()
+    model = nn.Linear(2, 2)
+    same, config, seams = ddp.prepare_fit(model, TrainConfig(batch_size=15), alone)
+    assert same is model and config.batch_size == 15 and seams == {"is_writer": True}

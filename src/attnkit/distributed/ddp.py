@@ -206,6 +206,7 @@ def prepare_fit(
     config: TrainConfig,
     env: DistEnv,
     sampler: Callable[[int, int], Tensor] | None = None,
+    make_optimizer: Callable[[nn.Module, TrainConfig], torch.optim.Optimizer] | None = None,
 ) -> tuple[nn.Module, TrainConfig, dict[str, Any]]:
     """Adapt a run of ``attnkit.train.fit`` to data parallelism, through fit's seams.
 
@@ -218,12 +219,20 @@ def prepare_fit(
     the number of examples the sampler repeats a few of them, as DistributedSampler does, so
     every rank makes the same number of steps (DDP needs that).
 
+    ``make_optimizer`` (fit's seam, default AdamW) is handed the plain model, not the DDP
+    wrapper, so it can address submodules and parameter names as usual (the parameters are the
+    same objects).
+
     Returns ``(model, config, fit_kwargs)``: the DDP-wrapped model, the config with the per-rank
-    batch size, and ``sampler`` / ``is_writer`` (rank 0 only) for ``fit``. On a world of one it
-    returns the inputs unchanged.
+    batch size, and ``sampler`` / ``is_writer`` (rank 0 only) / ``make_optimizer`` for ``fit``.
+    On a world of one the model and config come back unchanged.
     """
+    seams: dict[str, Any] = {"is_writer": env.is_main}
+    if make_optimizer is not None:
+        build = make_optimizer
+        seams["make_optimizer"] = lambda m, c: build(unwrap_model(m), c)
     if not env.distributed:
-        return model, config, {"is_writer": True}
+        return model, config, seams
     if config.batch_size % env.world_size:
         raise ValueError(
             f"--batch-size is the global batch and must be divisible by the number of "
@@ -243,4 +252,4 @@ def prepare_fit(
         return order[torch.tensor(list(mine), dtype=torch.long)]  # positions r, r + W, ...
 
     per_rank = replace(config, batch_size=config.batch_size // env.world_size)
-    return wrap_model(model, env), per_rank, {"sampler": shard, "is_writer": env.is_main}
+    return wrap_model(model, env), per_rank, {**seams, "sampler": shard}

@@ -33,7 +33,16 @@ late chunk.
 
 Communication uses ``torch.distributed`` point-to-point ops (``batch_isend_irecv``): gloo on
 CPU, NCCL on GPU. The next block's transfer is started before the current block is computed,
-so communication overlaps computation.
+so communication overlaps computation (the gradient accumulator is the exception: a rank waits
+for it before adding its part, which keeps one accumulator per rank alive instead of three).
+Tested on gloo (CPU) only: the NCCL path uses the same calls on device tensors but has
+not been run.
+
+Every rank must call ``ring_attention`` with matching arguments. The shapes, ``is_causal`` and
+``layout`` are checked across ranks first (one small ``all_gather``), so a mismatch raises on
+every rank instead of hanging. Not supported (a clear error): dense mask or bias tensors (pass
+functions of global positions), ``dropout_p > 0``, and shard lengths that are not the
+``torch.tensor_split`` sizes of the chosen layout.
 """
 
 from __future__ import annotations
@@ -322,7 +331,7 @@ def _ring_backward(
     k_dtype, v_dtype = k.dtype, v.dtype
     grad_q = q.new_zeros(q.shape, dtype=acc)
     k, v = k.contiguous(), v.contiguous()
-    carried: list[Tensor] = []  # (dK, dV) of the block we hold, arriving from the previous rank
+    carried: list[Tensor] = []  # (dK, dV) accumulated so far for the block we hold
     carried_works: list[dist.Work] = []
     for step in range(plan.world_size):
         src = (plan.rank - step) % plan.world_size
@@ -331,8 +340,17 @@ def _ring_backward(
         if step + 1 < plan.world_size:
             incoming = [_empty_block(t, plan, prev, t.dtype) for t in (k, v)]
             kv_works = _exchange([k, v], incoming, plan, _TAG_KV)
-        grad_k = _empty_block(k, plan, src, acc).zero_()  # this rank's part of dK of block src
-        grad_v = _empty_block(v, plan, src, acc).zero_()
+        if step == 0:
+            grad_k = _empty_block(k, plan, src, acc).zero_()
+            grad_v = _empty_block(v, plan, src, acc).zero_()
+        else:
+            # Add into the accumulator that arrived from the previous rank (the contributions
+            # of the ranks that held block src before us). Waiting for it here, rather than
+            # computing into a fresh buffer meanwhile, keeps one accumulator alive instead of
+            # three (fresh, arriving, departing): memory over overlap for this message.
+            _wait(carried_works)
+            carried_works = []
+            grad_k, grad_v = carried
         for qs, ks, keywords in _block_pairs(plan, src):
             dq, dk, dv = backward_blocks(
                 q[:, :, qs],
@@ -346,10 +364,6 @@ def _ring_backward(
             grad_q[:, :, qs] += dq
             grad_k[:, :, ks] += dk
             grad_v[:, :, ks] += dv
-        if carried:  # the contributions of the ranks that held block src before us
-            _wait(carried_works)
-            grad_k += carried[0]
-            grad_v += carried[1]
         _wait(kv_works)
         if plan.world_size == 1:
             carried = [grad_k, grad_v]
@@ -358,6 +372,7 @@ def _ring_backward(
         # the last step the next rank is src itself, the owner.
         carried = [_empty_block(t, plan, prev, acc) for t in (k, v)]
         carried_works = _exchange([grad_k, grad_v], carried, plan, _TAG_DKV)
+        del grad_k, grad_v  # in flight; freed once sent
         if kv_works:
             k, v = incoming
     _wait(carried_works)

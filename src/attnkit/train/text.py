@@ -152,7 +152,6 @@ def pretrained_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.o
     needs small steps so it does not forget what it knows (a common discriminative setting,
     Howard & Ruder 2018, "ULMFiT", section 3.2).
     """
-    model = getattr(model, "module", model)  # under torchrun, fit gets the DDP wrapper
     head = [p for p in model.head.parameters() if p.requires_grad]
     body = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("head.")]
     groups = [
@@ -300,7 +299,9 @@ def train_text(
     train, val, test = sets
     make_optimizer = default_optimizer if variant == "scratch" else pretrained_optimizer
     # Data parallel through fit's seams (a no-op on one process): attnkit.distributed.ddp.
-    fit_model, fit_config, fit_kwargs = prepare_fit(model, train_config, env)
+    fit_model, fit_config, fit_kwargs = prepare_fit(
+        model, train_config, env, make_optimizer=make_optimizer
+    )
     result = fit(
         fit_model,
         train,
@@ -309,7 +310,6 @@ def train_text(
         out_dir=out,
         resume=resume,
         progress=progress if env.is_main else False,
-        make_optimizer=make_optimizer,
         **fit_kwargs,
     )
     # Validation accuracy of the kept epoch is already known (same weights, eval mode); the
