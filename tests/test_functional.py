@@ -164,7 +164,6 @@ def test_gradcheck_math_path_with_mask_bias_and_empty_row() -> None:
         return sdpa(q, k, v, mask, bias=bias, is_causal=True, backend="math")
 
     assert torch.autograd.gradcheck(fn, (q, k, v, bias))
-    assert torch.autograd.gradgradcheck(fn, (q, k, v, bias))
 
 
 def test_large_logits_are_stable() -> None:

@@ -4,7 +4,7 @@ The public surface is re-exported here; everything else is reachable through its
 (``attnkit.masks``, ``attnkit.backends``, ...).
 """
 
-from attnkit import masks, models
+from attnkit import masks, models, viz
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.backends import available_backends, register_backend
 from attnkit.blocks import (
@@ -50,4 +50,5 @@ __all__ = [
     "models",
     "register_backend",
     "scaled_dot_product_attention",
+    "viz",
 ]

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 # One line per subcommand module; order is the order of `attnkit --help`.
 COMMAND_MODULES = [
     "attnkit.commands.demo",
+    "attnkit.commands.show",
 ]
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, PermissionError, IsADirectoryError)

@@ -7,6 +7,9 @@ attnkit and printed next to the figures the tutorial reports.
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+from pathlib import Path
 
 # The worked example of the brief (tutorial 003), and the figures it reports (3 decimals).
 WORKED_QUERY = [[1.0, 2.0]]
@@ -18,6 +21,9 @@ BRIEF_OUTPUT = [0.355, 0.617]
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("demo", help="a tour of attnkit: worked example and more")
+    parser.add_argument(
+        "--out-dir", default=None, help="where the demo writes its files (default: a temp dir)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -47,4 +53,31 @@ def run(args: argparse.Namespace) -> int:
     print("   V = [[0.5, 0.3], [0.8, 0.2], [0.1, 0.9]], scale 1/sqrt(2)")
     print(_row("weights", BRIEF_WEIGHTS, weights))
     print(_row("output", BRIEF_OUTPUT, output))
+    out_dir = getattr(args, "out_dir", None) or tempfile.mkdtemp(prefix="attnkit-demo-")
+    step_explorer(out_dir)
     return 0
+
+
+EXPLORER_SENTENCE = "The cat sat on the mat because it was warm."
+
+
+def step_explorer(out_dir: str | os.PathLike[str]) -> Path:
+    """Write the attention explorer of the bundled MiniLM for a sentence; returns its path."""
+    from attnkit.commands.show import encode, strongest_links
+    from attnkit.viz import AttentionExplorer
+
+    attention, tokens = encode(EXPLORER_SENTENCE)
+    explorer = AttentionExplorer(
+        attention,
+        tokens,
+        title="attnkit demo: BERT attention (all-MiniLM-L6-v2)",
+        text=EXPLORER_SENTENCE,
+    )
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    path = explorer.save(Path(out_dir) / "attention.html")
+    n_layers, n_heads = attention.shape[:2]
+    print(f"2. Attention of the bundled MiniLM ({n_layers} layers x {n_heads} heads) for")
+    print(f'   "{EXPLORER_SENTENCE}": open the explorer in a browser:')
+    print(f"   {path}")
+    print("   " + strongest_links(attention, tokens, top=3).replace("\n", "\n   "))
+    return path

@@ -1,0 +1,241 @@
+"""`attnkit show` and the demo's explorer step, with a fake BERT injected through the
+`attnkit.commands.show.load_model` seam (the real model is exercised in the end-to-end test)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import matplotlib.image as mpimg
+import numpy as np
+import pytest
+import torch
+
+from attnkit.cli import main
+from attnkit.commands import demo, show
+
+N_LAYERS, N_HEADS = 3, 4
+
+
+class FakeBert:
+    """The BERT API `show` relies on: encode(texts, need_weights=True) -> tokens, attentions."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.attentions: torch.Tensor | None = None
+
+    def encode(self, texts: list[str], need_weights: bool = False) -> SimpleNamespace:
+        assert need_weights
+        self.texts.extend(texts)
+        tokens = [["[CLS]", *t.lower().split(), "[SEP]"] for t in texts]
+        n = len(tokens[0])
+        gen = torch.Generator().manual_seed(0)
+        scores = 3.0 * torch.randn(N_LAYERS, len(texts), N_HEADS, n, n, generator=gen)
+        self.attentions = torch.softmax(scores, dim=-1)  # (l, b, h, i, j)
+        return SimpleNamespace(tokens=tokens, attentions=self.attentions)
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeBert:
+    model = FakeBert()
+    monkeypatch.setattr(show, "load_model", lambda: model)
+    return model
+
+
+@pytest.fixture
+def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse() -> None:
+        raise AssertionError("the model must not be loaded for an input error")
+
+    monkeypatch.setattr(show, "load_model", refuse)
+
+
+def _embedded_weights(page: str, shape: tuple[int, ...]) -> np.ndarray:
+    match = re.search(r'"weights":"([^"]*)"', page)
+    assert match is not None
+    return np.frombuffer(base64.b64decode(match.group(1)), dtype="<f4").reshape(shape)
+
+
+def test_html_explorer_and_strongest_links(
+    fake: FakeBert, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "a.html"
+    assert main(["show", "The cat sat on the mat", "--out", str(out), "--top", "3"]) == 0
+    assert fake.texts == ["The cat sat on the mat"]
+    page = out.read_text(encoding="utf-8")
+    tokens = ["[CLS]", "the", "cat", "sat", "on", "the", "mat", "[SEP]"]
+    weights = _embedded_weights(page, (N_LAYERS, N_HEADS, 8, 8))
+    np.testing.assert_array_equal(weights, fake.attentions[:, 0].numpy())
+    assert "The cat sat on the mat" in page
+
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"wrote {out}"
+    assert lines[1].startswith("Strongest links, layer 2, mean of 4 heads")
+    # oracle: the strongest link between two different word pieces of the last layer's mean
+    mean = fake.attentions[-1, 0].mean(0).double()
+    best = max(((q, k) for q in range(1, 7) for k in range(1, 7) if q != k), key=lambda p: mean[p])
+    first = lines[2].split()
+    assert first[:5] == [str(best[0]), tokens[best[0]], "->", str(best[1]), tokens[best[1]]]
+    assert float(first[5]) == pytest.approx(mean[best].item(), abs=5e-4)
+    assert len(lines) == 5  # header + top 3
+
+
+def test_strongest_links_of_one_head() -> None:
+    att = torch.zeros(1, 2, 4, 4, dtype=torch.float64)
+    att[0, 1, 1, 2] = 0.7  # "b" -> "c" in head 1
+    att[0, 1, 2, 1] = 0.2
+    att[0, 1, 1, 0] = 0.9  # towards [CLS]: left out
+    att[0, 1, 1, 1] = 0.95  # to itself: left out
+    text = show.strongest_links(att, ["[CLS]", "b", "c", "[SEP]"], layer=0, head=1, top=5)
+    assert text.splitlines()[1:] == [
+        "  1 b -> 2 c  0.700  " + "█" * 14,
+        "  2 c -> 1 b  0.200  " + "█" * 4,
+    ]
+    one_word = show.strongest_links(att, ["[CLS]", "b", "[SEP]", "[PAD]"], top=5)
+    assert "(none" in one_word
+
+
+def test_png_of_one_head(fake: FakeBert, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "a.png"
+    assert main(["show", "a b c", "--layer", "1", "--head", "2", "--out", str(out)]) == 0
+    image = mpimg.imread(out)
+    assert image.ndim == 3 and min(image.shape[:2]) >= 200
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra", [["--layer", "0"], []])
+def test_svg_of_a_layer_or_everything(fake: FakeBert, tmp_path: Path, extra: list[str]) -> None:
+    out = tmp_path / "a.svg"
+    assert main(["show", "a b c", "--out", str(out), *extra]) == 0
+    text = out.read_text(encoding="utf-8")
+    assert "<svg" in text
+    expected = "Layer 0, all heads" if extra else "All layers and heads"
+    assert expected in text or expected.replace(" ", "") in text.replace(" ", "")
+
+
+def _one_error_line(capsys: pytest.CaptureFixture) -> str:
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("attnkit show: error: ")
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["   "], "TEXT is empty"),
+        ([""], "TEXT is empty"),
+        (["a b", "--out", "{tmp}/missing/a.html"], "does not exist"),
+        (["a b", "--out", "{tmp}"], "is a directory"),
+        (["a b", "--out", "{tmp}/a.txt"], "use .html"),
+        (["a b", "--head", "1", "--out", "{tmp}/a.png"], "--head needs --layer"),
+        (["a b", "--top", "-1", "--out", "{tmp}/a.html"], "--top"),
+    ],
+)
+def test_input_errors_exit_2_before_loading_the_model(
+    no_model: None, tmp_path: Path, capsys: pytest.CaptureFixture, argv: list[str], message: str
+) -> None:
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(["show", *argv]) == 2
+    assert message in _one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--layer", "3"], "--layer 3 is out of range: the model has 3 layers, numbered 0 to 2"),
+        (["--layer", "-1"], "--layer -1 is out of range"),
+        (["--layer", "0", "--head", "4"], "--head 4 is out of range: the model has 4 heads"),
+    ],
+)
+def test_bad_layer_or_head_exit_2_and_write_nothing(
+    fake: FakeBert, tmp_path: Path, capsys: pytest.CaptureFixture, extra: list[str], message: str
+) -> None:
+    for name in ("a.html", "a.png"):
+        assert main(["show", "a b", "--out", str(tmp_path / name), *extra]) == 2
+        assert message in _one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_write_leaves_the_old_file_whole(
+    fake: FakeBert, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "a.html"
+    out.write_text("old", encoding="utf-8")
+
+    def disk_full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("attnkit._io.os.fsync", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        main(["show", "a b", "--out", str(out)])
+    assert out.read_text(encoding="utf-8") == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["a.html"]  # no temporary left behind
+
+
+def test_demo_step_writes_the_explorer(
+    fake: FakeBert, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    path = demo.step_explorer(tmp_path / "demo")
+    assert path == tmp_path / "demo" / "attention.html"
+    page = path.read_text(encoding="utf-8")
+    assert demo.EXPLORER_SENTENCE in page and "Attention is not explanation" in page
+    assert fake.texts == [demo.EXPLORER_SENTENCE]
+    out = capsys.readouterr().out
+    assert str(path) in out and "Strongest links" in out
+
+
+def test_html_starts_at_the_requested_layer_and_head(fake: FakeBert, tmp_path: Path) -> None:
+    out = tmp_path / "a.html"
+    assert main(["show", "a b c", "--layer", "2", "--head", "3", "--out", str(out)]) == 0
+    page = out.read_text(encoding="utf-8")
+    assert '"layer":2,"head":3' in page
+
+
+# ---- end to end: the bundled MiniLM through attnkit's BERT, Hugging Face as the oracle ----
+
+
+@pytest.mark.slow
+def test_end_to_end_with_the_bundled_minilm(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    transformers = pytest.importorskip("transformers", reason="the hf extra holds the oracle")
+    from attnkit.models.bert_pretrained import bundled_model_path
+
+    text = "The cat sat on the mat."
+    out = tmp_path / "attention.html"
+    assert main(["show", text, "--out", str(out), "--layer", "3", "--head", "7"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"wrote {out}"
+    assert printed[1].startswith("Strongest links, layer 3, head 7")
+
+    path = bundled_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    hf = transformers.BertModel.from_pretrained(str(path), attn_implementation="eager").eval()
+    batch = tokenizer([text], return_tensors="pt")
+    with torch.no_grad():
+        expected = torch.stack(hf(**batch, output_attentions=True).attentions)[:, 0]  # (l,h,i,j)
+    tokens = tokenizer.convert_ids_to_tokens(batch["input_ids"][0])
+
+    page = out.read_text(encoding="utf-8")
+    data = json.loads(re.search(r'class="ak-data">(.*?)</script>', page, flags=re.S).group(1))
+    assert data["queryTokens"] == tokens and (data["layer"], data["head"]) == (3, 7)
+    weights = _embedded_weights(page, (6, 12, len(tokens), len(tokens)))
+    np.testing.assert_allclose(weights, expected.numpy(), atol=1e-5)
+
+    png = tmp_path / "heads.png"
+    assert main(["show", text, "--out", str(png), "--layer", "5", "--top", "0"]) == 0
+    assert mpimg.imread(png).ndim == 3
+    assert capsys.readouterr().out == f"wrote {png}\n"
+
+
+@pytest.mark.slow
+def test_demo_runs_the_explorer_step_for_real(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["demo", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "attention.html") in out
+    assert "cat" in (tmp_path / "attention.html").read_text(encoding="utf-8")
