@@ -176,6 +176,14 @@ def test_sentence_embeddings_match_sentence_transformers(ours32, path) -> None:
     torch.testing.assert_close(enc.embeddings.norm(dim=-1), torch.ones(len(SENTENCES)))
     cosine = torch.nn.functional.cosine_similarity(enc.embeddings, expected.cpu(), dim=-1)
     assert cosine.min().item() >= 0.99999
+    # sentence-transformers cuts this model at 256 tokens; max_length=256 reproduces it.
+    long_text = " ".join(SENTENCES) * 6  # about 330 tokens
+    with pytest.warns(UserWarning, match="max_length=256"):
+        long_enc = ours32.encode([long_text], max_length=256)
+    expected = oracle.encode([long_text], convert_to_tensor=True)
+    cosine = torch.nn.functional.cosine_similarity(long_enc.embeddings, expected.cpu(), dim=-1)
+    assert long_enc.lengths.tolist() == [256]
+    assert cosine.min().item() >= 0.99999
 
 
 def test_single_string_and_order(ours32) -> None:
@@ -389,6 +397,29 @@ def test_model_without_pooler_loads(tiny_dir) -> None:
     ours = load_pretrained(tiny_dir)
     assert ours.model.pooler is None
     assert ours.encode(["no pooler"]).pooled is None
+
+
+def test_weights_need_a_backend_that_returns_them(ours32) -> None:
+    with pytest.raises(ValueError, match="does not return the attention weights"):
+        ours32.encode(["x"], need_weights=True, backend="torch")
+    math = ours32.encode(["two words"], backend="math").hidden_states
+    fused = ours32.encode(["two words"], backend="torch").hidden_states
+    torch.testing.assert_close(math, fused, atol=1e-5, rtol=0)
+
+
+def test_task_heads_of_a_prefixed_checkpoint_are_reported(tiny_dir) -> None:
+    from safetensors.torch import save_file
+
+    state = {f"bert.{k}": v for k, v in _hf_state(tiny_dir).items()}
+    state["cls.predictions.bias"] = torch.zeros(30522)
+    save_file(state, str(tiny_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"unexpected tensors \['cls\.predictions\.bias'\]"):
+        load_pretrained(tiny_dir)
+    with pytest.warns(UserWarning, match="cls.predictions.bias"):
+        ours = load_pretrained(tiny_dir, strict=False)
+    torch.testing.assert_close(
+        ours.model.embeddings.word.weight, state["bert.embeddings.word_embeddings.weight"]
+    )
 
 
 def test_unknown_backend_and_dtype_are_refused() -> None:
