@@ -4,9 +4,12 @@ The public surface is re-exported here; everything else is reachable through its
 (``attnkit.masks``, ``attnkit.backends``, ...).
 """
 
-from attnkit import masks, models, viz
+from attnkit import distributed, masks, models, train, viz
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.backends import available_backends, register_backend
+from attnkit.backends.linear import linear_attention
+from attnkit.backends.sparse import topk_attention
+from attnkit.backends.tiled import tiled_attention
 from attnkit.blocks import (
     FeedForward,
     TransformerBlock,
@@ -45,10 +48,15 @@ __all__ = [
     "alibi_fn",
     "alibi_slopes",
     "available_backends",
+    "distributed",
     "inspect_attention",
+    "linear_attention",
     "masks",
     "models",
     "register_backend",
     "scaled_dot_product_attention",
+    "tiled_attention",
+    "topk_attention",
+    "train",
     "viz",
 ]

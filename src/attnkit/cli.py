@@ -20,6 +20,9 @@ from collections.abc import Sequence
 COMMAND_MODULES = [
     "attnkit.commands.demo",
     "attnkit.commands.show",
+    "attnkit.commands.train",
+    "attnkit.commands.evaluate",
+    "attnkit.commands.bench",
 ]
 
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, PermissionError, IsADirectoryError)

@@ -108,7 +108,12 @@ class Backend:
 
 _REGISTRY: dict[str, Backend] = {}
 
-AUTO_ORDER: list[str] = ["torch", "math"]
+# Why this order: a call with a mask or bias *function* goes to the tiled backend first
+# ("tiled-functions" is the tiled backend restricted to such calls), so auto never builds an
+# n x n tensor from a function; plain, causal and dense-mask calls go to torch's fused kernel,
+# the fastest on them; "tiled" then serves what torch refuses but it can (inputs without a head
+# axis); the math backend serves every call (dropout with a generator, return_weights).
+AUTO_ORDER: list[str] = ["tiled-functions", "torch", "tiled", "math"]
 """Backends ``backend="auto"`` tries, in order. The math backend serves every call."""
 
 

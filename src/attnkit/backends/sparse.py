@@ -1,0 +1,218 @@
+"""Backend "sparse": attention restricted to a sparse layout, costing what the layout keeps.
+
+Sparse Transformers (Child et al. 2019, arXiv:1904.10509) and Longformer (Beltagy et al. 2020,
+arXiv:2004.05150) restrict each query to a few keys: a sliding window, a dilated or strided set
+of blocks. The cost should grow with the kept blocks, not with ``n^2``. Here a layout is a mask
+*function* that declares its structure (``attnkit.backends.structure``): for each block of
+queries it lists the key ranges it keeps. The backend visits only those ranges, gathering the
+kept K/V blocks of a query block into one group (one matmul instead of many small ones), and
+runs the tiled engine on them (``attnkit.backends.tiled``: online softmax, recomputing
+backward), so the result is *exact* attention under the layout's mask: it equals the reference
+given ``masks.materialize(layout, ...)``.
+
+Layouts (block size ``block`` positions; ``i``/``j`` absolute positions)::
+
+    sliding_window(left, right)   key k visible from q when -right <= q - k <= left
+    block_sparse(layout, block)   q sees k when layout[q // block, k // block] (any bool matrix)
+    dilated_layout(...)           block I sees blocks I, I - dilation, I - 2 dilation, ...
+    strided_layout(...)           block I sees the `local` previous blocks and every
+                                  `stride`-th block before them (Child et al. 2019, sec. 4.2)
+
+``is_causal`` and any other mask combine with the layout (both apply).
+
+``topk_attention`` is different: each query keeps its ``top_k`` largest scores and renormalises
+over them (Gupta et al. 2021, arXiv:2106.06899). It is an *approximation* of softmax attention
+(exact only when the dropped weights are zero), so it is a function of its own, not a backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from attnkit.backends.registry import AttentionCall, BackendUnavailable, register_backend
+from attnkit.backends.structure import with_structure
+from attnkit.backends.tiled import run_call
+from attnkit.backends.tiled import why_not as tiled_why_not
+from attnkit.masks import MaskFn, window_fn
+
+__all__ = [
+    "block_sparse",
+    "dilated_layout",
+    "sliding_window",
+    "strided_layout",
+    "topk_attention",
+]
+
+WINDOW_BLOCK = 128  # tile size for windows: the issue's prototype found ~128 best for them
+
+
+def sliding_window(left: int, right: int = 0, offset: int = 0) -> MaskFn:
+    """Query ``q`` sees keys ``k`` with ``-right <= (q + offset) - k <= left`` (masks.window_fn)."""
+    return window_fn(left, right, offset)
+
+
+def dilated_layout(n_blocks: int, window: int, dilation: int) -> Tensor:
+    """Bool ``(n_blocks, n_blocks)``: block ``I`` sees ``I - t * dilation`` for ``t < window``."""
+    if window < 1 or dilation < 1:
+        raise ValueError(f"window and dilation must be >= 1, got {window}, {dilation}")
+    I = torch.arange(n_blocks).unsqueeze(1)  # (I, 1)
+    J = torch.arange(n_blocks).unsqueeze(0)  # (1, J)
+    back = I - J
+    return (back >= 0) & (back % dilation == 0) & (back < window * dilation)
+
+
+def strided_layout(n_blocks: int, local: int, stride: int) -> Tensor:
+    """Bool ``(n_blocks, n_blocks)``: the ``local`` latest blocks and every ``stride``-th one."""
+    if local < 1 or stride < 1:
+        raise ValueError(f"local and stride must be >= 1, got {local}, {stride}")
+    I = torch.arange(n_blocks).unsqueeze(1)  # (I, 1)
+    J = torch.arange(n_blocks).unsqueeze(0)  # (1, J)
+    back = I - J
+    return (back >= 0) & ((back < local) | (back % stride == 0))
+
+
+def block_sparse(layout: Tensor, block: int) -> MaskFn:
+    """A mask function from a bool block layout ``(n_query_blocks, n_key_blocks)``.
+
+    Query ``q`` may attend key ``k`` when ``layout[q // block, k // block]``. Positions beyond the
+    layout are blocked. Combine with ``is_causal=True`` for causal layouts within blocks.
+    """
+    if layout.dtype != torch.bool or layout.ndim != 2:
+        raise ValueError(
+            f"layout must be a 2-D bool tensor (query blocks, key blocks), got dtype "
+            f"{layout.dtype} and shape {tuple(layout.shape)}"
+        )
+    if not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    nqb, nkb = layout.shape
+    rows = [[J for J in range(nkb) if layout[I, J]] for I in range(nqb)]  # kept blocks, as ints
+    padded = torch.nn.functional.pad(layout, (0, 1, 0, 1))  # out-of-range index -> False
+
+    def mask(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        I = (i // block).clamp(0, nqb)  # beyond the layout -> the padding row
+        J = (j // block).clamp(0, nkb)
+        return padded.to(i.device)[I, J]
+
+    def kept(i0: int, i1: int) -> list[int]:
+        blocks: set[int] = set()
+        for I in range(max(i0, 0) // block, min(i1 - 1, nqb * block - 1) // block + 1):
+            blocks.update(rows[I])
+        return sorted(blocks)
+
+    def key_ranges(i0: int, i1: int, j0: int, j1: int) -> list[tuple[int, int]]:
+        ranges: list[tuple[int, int]] = []
+        for J in kept(i0, i1):
+            lo, hi = max(j0, J * block), min(j1, (J + 1) * block)
+            if hi <= lo:
+                continue
+            if ranges and ranges[-1][1] == lo:
+                ranges[-1] = (ranges[-1][0], hi)
+            else:
+                ranges.append((lo, hi))
+        return ranges
+
+    def tile(i0: int, i1: int, j0: int, j1: int) -> bool | None:
+        if i0 < 0 or j0 < 0 or i1 > nqb * block or j1 > nkb * block:
+            return None
+        cells = layout[i0 // block : (i1 - 1) // block + 1, j0 // block : (j1 - 1) // block + 1]
+        if not bool(cells.any()):
+            return False
+        return True if bool(cells.all()) else None
+
+    fn = with_structure(mask, tile=tile, key_ranges=key_ranges)
+    fn.block = block  # type: ignore[attr-defined]  # the sparse backend tiles at this size
+    return fn
+
+
+def _structured(fn: object) -> bool:
+    return any(hasattr(fn, a) for a in ("key_ranges", "window", "causal_offset"))
+
+
+def why_not(call: AttentionCall) -> str | None:
+    reason = tiled_why_not(call)
+    if reason is not None:
+        return reason
+    if not (callable(call.mask) and _structured(call.mask)):
+        return (
+            "the sparse backend needs a mask function that declares its layout (sliding_window, "
+            "block_sparse, masks.window_fn or one with key_ranges, see backends.structure); "
+            "use backend='tiled' for other masks"
+        )
+    return None
+
+
+def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    reason = why_not(call)
+    if reason is not None:
+        raise BackendUnavailable(f"backend 'sparse' cannot serve this call: {reason}")
+    block = getattr(call.mask, "block", WINDOW_BLOCK)
+    return run_call(call, block_q=block, block_k=block, gather=True), None
+
+
+register_backend(
+    "sparse",
+    run,
+    why_not,
+    description="exact attention over a declared sparse layout: cost grows with kept blocks",
+)
+
+
+def topk_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    top_k: int,
+    *,
+    mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    chunk_size: int = 256,
+) -> Tensor:
+    """Each query attends only its ``top_k`` highest-scoring visible keys (an approximation).
+
+    Shapes as ``scaled_dot_product_attention`` for 4-D inputs: ``query (b, h, i, d)``,
+    ``key (b, h_kv, j, d)``, ``value (b, h_kv, j, dv)``; ``mask`` bool broadcastable to
+    ``(b, h, i, j)``; ``is_causal`` bottom-right. Equals softmax attention under the mask that
+    keeps, for each row, its ``top_k`` largest visible scores. Scores are computed ``chunk_size``
+    query rows at a time, so memory is O(chunk_size * j); differentiable.
+    """
+    if query.ndim != 4:
+        raise ValueError(f"topk_attention needs 4-D (b, h, i, d) inputs, got {tuple(query.shape)}")
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    b, h, ni, _ = query.shape
+    nj, dv = key.shape[2], value.shape[-1]
+    g = h // key.shape[1]
+    k_eff = min(top_k, nj)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    compute = torch.promote_types(query.dtype, torch.float32)
+    blocked = torch.finfo(compute).min
+    k = key.to(compute).repeat_interleave(g, dim=1) if g > 1 else key.to(compute)  # (b, h, j, d)
+    v = value.to(compute).repeat_interleave(g, dim=1) if g > 1 else value.to(compute)
+    v_flat = v.reshape(b * h * nj, dv)  # (b * h * j, dv): one row per (batch, head, key)
+    base = (torch.arange(b * h, device=query.device) * nj).view(b, h, 1, 1)
+    outs = []
+    for i0 in range(0, ni, chunk_size):
+        i1 = min(ni, i0 + chunk_size)
+        s = query[:, :, i0:i1].to(compute) @ k.transpose(-2, -1) * scale  # (b, h, c, j)
+        allowed = None
+        if mask is not None:
+            m = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+            allowed = m[:, :, i0:i1] if m.shape[2] != 1 else m
+        if is_causal:
+            i = torch.arange(i0, i1, device=query.device).view(-1, 1) + (nj - ni)
+            causal = torch.arange(nj, device=query.device).view(1, -1) <= i
+            allowed = causal if allowed is None else allowed & causal
+        if allowed is not None:
+            s = s.masked_fill(~allowed, blocked)
+        vals, idx = s.topk(k_eff, dim=-1)  # (b, h, c, k)
+        visible = vals > blocked
+        m = vals.amax(dim=-1, keepdim=True)
+        w = torch.exp(vals - m) * visible  # blocked entries (fewer than k visible) weigh 0
+        w = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(compute).tiny)
+        picked = v_flat[(idx + base).flatten()].view(*idx.shape, dv)  # (b, h, c, k, dv)
+        outs.append((w.unsqueeze(-2) @ picked).squeeze(-2))  # (b, h, c, dv)
+    return torch.cat(outs, dim=2).to(query.dtype)

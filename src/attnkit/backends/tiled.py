@@ -1,0 +1,609 @@
+"""Backend "tiled": FlashAttention's algorithm in PyTorch (Dao et al. 2022, arXiv:2205.14135).
+
+The scores ``(b, h, i, j)`` are never built. Queries are cut into blocks of ``block_q`` rows and,
+for each block, the keys into tiles of ``block_k``; a running maximum ``m`` and sum ``l`` make
+the softmax exact one tile at a time (the *online softmax*, Milakov & Gimelshein 2018;
+FlashAttention Algorithm 1)::
+
+    for each key tile t:      s    = q k_t^T * scale + bias_t       (masked: finite minimum)
+                              m'   = max(m, rowmax(s))
+                              p    = exp(s - m')
+                              l    = l * exp(m - m') + rowsum(p)
+                              acc  = acc * exp(m - m') + p v_t ;  m = m'
+    output = acc / l,         lse  = m + log(l)                      (the log-sum-exp per row)
+
+Only the output and ``lse`` are saved for backward, which recomputes each tile's probabilities
+``p = exp(s - lse)`` (FlashAttention section 3.1, "recomputation"; the loop order of
+FlashAttention-2, Dao 2023, Algorithm 2)::
+
+    D = rowsum(dO * O);  dV_t += p^T dO;  dS = p * (dO v_t^T - D);  dQ += dS k_t;  dK_t += dS^T q
+
+Extra memory is O(n * block): one tile of scores per step, never ``i x j``.
+
+Work is done in base 2 (``exp2``, with ``log2(e)`` folded into the scale) as FlashAttention does:
+on CPU ``torch.exp`` is 14-40x slower on underflowing inputs and ~5x slower on ``-inf``, while
+``exp2`` is fast everywhere. Blocked scores get the finite minimum, never ``-inf``.
+
+Masks and biases: bool tensors and float tensors broadcastable to ``(b, h, i, j)`` are sliced per
+tile; mask and bias *functions* ``fn(b, h, i, j)`` are evaluated per tile. Tiles a mask function
+declares all-blocked (``attnkit.backends.structure``: causal, windows) are skipped unevaluated;
+other tiles that evaluate all-blocked are skipped after evaluation. Causal attention:
+``is_causal`` is bottom-right; top-left is ``mask=masks.causal_fn(0)``.
+
+Grouped-query attention (``h_kv`` dividing ``h``) shares K and V without copying: the ``g``
+query heads of a key head are laid out as extra rows, ``(b, h, i, d) -> (b, h_kv, i * g, d)``
+("row layout", row ``r`` = query ``r // g`` of head ``kv * g + r % g``), so one matmul per tile
+serves the whole group.
+
+A fully masked query row gives output 0 and zero (finite) gradients, like the reference.
+Not supported (``why_not`` says so): ``dropout_p > 0`` (the dropout mask is not replayed per
+tile) and ``return_weights`` (the weights are never built). Gradients do not flow into a bias
+*function*'s parameters: pass a learnable bias as a tensor.
+
+For ring attention (one K/V shard at a time, several devices), the block step is public:
+``forward_blocks`` (normalised partial output and log-sum-exp for one shard), ``merge`` (combine
+two partial results) and ``backward_blocks`` (gradients for one shard given the *global* output
+and log-sum-exp). ``tiled_attention`` is the differentiable whole.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from attnkit.backends.registry import AttentionCall, BackendUnavailable, register_backend
+from attnkit.backends.structure import all_of, key_ranges, tile_state
+from attnkit.masks import BiasFn, MaskFn, causal_fn
+
+__all__ = [
+    "BLOCK_K",
+    "BLOCK_Q",
+    "backward_blocks",
+    "forward_blocks",
+    "merge",
+    "run_call",
+    "tiled_attention",
+    "why_not",
+]
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
+LN2 = 0.6931471805599453  # ln(2): log(x) = log2(x) * ln(2)
+BLOCK_Q = 512
+BLOCK_K = 512
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Everything about one attention problem except the q, k, v tensors (all 4-D local)."""
+
+    scale: float
+    mask: Tensor | None = None  # bool, broadcastable to (b, h, i, j) of this shard
+    mask_fn: MaskFn | None = None  # absolute positions
+    bias: Tensor | None = None  # float, broadcastable to (b, h, i, j) of this shard
+    bias_fn: BiasFn | None = None  # absolute positions
+    q_offset: int = 0
+    k_offset: int = 0
+    block_q: int = BLOCK_Q
+    block_k: int = BLOCK_K
+    gather: bool = False  # visit each query block's key ranges as one gathered group (sparse)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # float32, or float64 for float64
+
+
+def _blocked(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).min
+
+
+# Row layout for grouped-query attention (see the module docstring).
+
+
+def _rows(x: Tensor, g: int) -> Tensor:
+    """(b, h, i, d) -> (b, h_kv, i * g, d); a no-op view when g == 1."""
+    if g == 1:
+        return x
+    b, h, i, d = x.shape
+    x = x.unflatten(1, (h // g, g)).transpose(2, 3)  # (b, h_kv, i, g, d)
+    return x.reshape(b, h // g, i * g, d)  # (b, h_kv, i * g, d)
+
+
+def _unrows(x: Tensor, g: int) -> Tensor:
+    """(b, h_kv, i * g, d) -> (b, h, i, d)."""
+    if g == 1:
+        return x
+    b, hk, r, d = x.shape
+    x = x.view(b, hk, r // g, g, d).transpose(2, 3)  # (b, h_kv, g, i, d)
+    return x.reshape(b, hk * g, r // g, d)  # (b, h, i, d)
+
+
+def _tile_rows(t: Tensor, g: int, bi: int, bj: int) -> Tensor:
+    """A tile broadcastable to (b, h, bi, bj) -> broadcastable to (b, h_kv, bi * g, bj)."""
+    if g == 1:
+        return t
+    nb, nh = t.shape[0], t.shape[1]
+    t = t.expand(nb, nh, bi, bj)
+    if nh == 1:
+        return t.unsqueeze(3).expand(nb, 1, bi, g, bj).reshape(nb, 1, bi * g, bj)
+    return _rows(t, g)  # (b, h_kv, bi * g, bj)
+
+
+def _untile_rows(t: Tensor, g: int) -> Tensor:
+    """(b, h_kv, bi * g, bj) -> (b, h, bi, bj)."""
+    return _unrows(t, g)
+
+
+# One tile of scores.
+
+
+class _Tiles:
+    """Builds the base-2 logits of one (query block, key group) tile and lists the key groups."""
+
+    def __init__(self, spec: _Spec, q: Tensor, k: Tensor) -> None:
+        self.spec = spec
+        self.nb, self.h, self.ni, _ = q.shape
+        self.nj = k.shape[2]
+        self.g = self.h // k.shape[1]
+        self.dtype = _compute_dtype(q.dtype)
+        self.blocked = _blocked(self.dtype)
+        device = q.device
+        self.b_idx = torch.arange(self.nb, device=device).view(-1, 1, 1, 1)
+        self.h_idx = torch.arange(self.h, device=device).view(1, -1, 1, 1)
+
+    def groups(self, i0: int, i1: int) -> list[tuple[slice | Tensor, bool | None]]:
+        """Key groups for queries [i0, i1): (slice or index tensor, tile state), local indices."""
+        spec, qo, ko = self.spec, self.spec.q_offset, self.spec.k_offset
+        fn = spec.mask_fn
+        ranges = [(0, self.nj)]
+        if fn is not None:
+            ranges = [
+                (lo - ko, hi - ko) for lo, hi in key_ranges(fn, i0 + qo, i1 + qo, ko, ko + self.nj)
+            ]
+        tiles: list[tuple[int, int, bool | None]] = []
+        for lo, hi in ranges:
+            for j0 in range(lo, hi, spec.block_k):
+                j1 = min(hi, j0 + spec.block_k)
+                state = True if fn is None else tile_state(fn, i0 + qo, i1 + qo, j0 + ko, j1 + ko)
+                if state is not False:
+                    tiles.append((j0, j1, state))
+        if not spec.gather or len(tiles) <= 1:
+            return [(slice(j0, j1), state) for j0, j1, state in tiles]
+        # Sparse layouts: one group of all kept keys, gathered (contiguous runs stay a slice).
+        runs: list[list[int]] = []
+        for j0, j1, _ in tiles:
+            if runs and runs[-1][1] == j0:
+                runs[-1][1] = j1
+            else:
+                runs.append([j0, j1])
+        state = True if all(s is True for _, _, s in tiles) else None
+        if len(runs) == 1:
+            return [(slice(runs[0][0], runs[0][1]), state)]
+        device = self.b_idx.device
+        idx = torch.cat([torch.arange(a, b, device=device) for a, b in runs])
+        return [(idx, state)]
+
+    def _slice(self, t: Tensor, i0: int, i1: int, sel: slice | Tensor) -> Tensor:
+        """Tile of a tensor broadcastable to (b, h, i, j)."""
+        if t.shape[2] != 1:
+            t = t[:, :, i0:i1]
+        if t.shape[3] != 1:
+            t = t[:, :, :, sel] if isinstance(sel, slice) else t.index_select(3, sel)
+        return t
+
+    def _positions(self, i0: int, i1: int, sel: slice | Tensor) -> tuple[Tensor, Tensor]:
+        device = self.b_idx.device
+        qo, ko = self.spec.q_offset, self.spec.k_offset
+        i = torch.arange(i0 + qo, i1 + qo, device=device).view(1, 1, -1, 1)
+        j = torch.arange(sel.start, sel.stop, device=device) if isinstance(sel, slice) else sel
+        return i, (j + ko).view(1, 1, 1, -1)
+
+    def allowed(self, i0: int, i1: int, sel: slice | Tensor, state: bool | None) -> Tensor | None:
+        """Bool tile (broadcastable, row layout) of allowed positions; None = all allowed."""
+        spec = self.spec
+        parts = []
+        if spec.mask is not None:
+            parts.append(self._slice(spec.mask, i0, i1, sel))
+        if spec.mask_fn is not None and state is None:
+            i, j = self._positions(i0, i1, sel)
+            parts.append(spec.mask_fn(self.b_idx, self.h_idx, i, j))
+        if not parts:
+            return None
+        allowed = parts[0]
+        for p in parts[1:]:
+            allowed = allowed & p
+        bj = sel.stop - sel.start if isinstance(sel, slice) else sel.numel()
+        return _tile_rows(allowed, self.g, i1 - i0, bj)
+
+    def bias(self, i0: int, i1: int, sel: slice | Tensor) -> Tensor | None:
+        """Float tile (broadcastable, row layout) of the bias, in natural units; None = none."""
+        spec = self.spec
+        parts = []
+        if spec.bias is not None:
+            parts.append(self._slice(spec.bias, i0, i1, sel))
+        if spec.bias_fn is not None:
+            i, j = self._positions(i0, i1, sel)
+            parts.append(spec.bias_fn(self.b_idx, self.h_idx, i, j))
+        if not parts:
+            return None
+        bias = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+        bj = sel.stop - sel.start if isinstance(sel, slice) else sel.numel()
+        return _tile_rows(bias.to(self.dtype), self.g, i1 - i0, bj)
+
+    def logits(
+        self, q2: Tensor, k_t: Tensor, i0: int, i1: int, sel: slice | Tensor, state: bool | None
+    ) -> Tensor | None:
+        """Base-2 logits ``(b, h_kv, rows, bj)`` of a tile, or None when it is all blocked.
+
+        ``q2`` is the query block already multiplied by ``scale * log2(e)``.
+        """
+        allowed = self.allowed(i0, i1, sel, state)
+        if allowed is not None and not bool(allowed.any()):
+            return None  # a tile that evaluates all blocked costs nothing more
+        s = q2 @ k_t.transpose(-2, -1)  # (b, h_kv, rows, bj)
+        bias = self.bias(i0, i1, sel)
+        if bias is not None:
+            s.add_(bias, alpha=LOG2E)
+        if allowed is not None:
+            s.masked_fill_(~allowed, self.blocked)
+        return s
+
+
+def _keys(t: Tensor, sel: slice | Tensor) -> Tensor:
+    return t[:, :, sel] if isinstance(sel, slice) else t.index_select(2, sel)
+
+
+# The block step, public for ring attention.
+
+
+def forward_blocks(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    mask: Tensor | None = None,
+    mask_fn: MaskFn | None = None,
+    bias: Tensor | None = None,
+    bias_fn: BiasFn | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> tuple[Tensor, Tensor]:
+    """Attention of ``q`` over one shard of keys: the normalised output and the log-sum-exp.
+
+    Args:
+        q: ``(b, h, i, d)``; k: ``(b, h_kv, j, d)``; v: ``(b, h_kv, j, dv)``, ``h_kv`` dividing
+            ``h``. No autograd (use ``tiled_attention`` for a differentiable call).
+        scale: multiplies ``q @ k^T``.
+        mask / bias: bool / float tensors broadcastable to this shard's ``(b, h, i, j)``.
+        mask_fn / bias_fn: functions ``fn(b, h, i, j)`` of *absolute* positions: query ``r`` of
+            ``q`` is position ``q_offset + r``, key ``c`` of ``k`` is ``k_offset + c``. Causal
+            attention over shards is ``mask_fn=masks.causal_fn(offset)`` with global positions.
+        block_q, block_k: tile sizes.
+
+    Returns:
+        ``out (b, h, i, dv)`` in the compute dtype (float32, float64 for float64 inputs) and
+        ``lse (b, h, i)``, the natural log-sum-exp of each row's scaled, biased scores over the
+        visible keys of this shard. A row that sees no key here has ``out = 0`` and
+        ``lse = finfo(dtype).min`` (finite), which ``merge`` treats as "no contribution".
+    """
+    spec = _Spec(
+        scale, _pad4(mask), mask_fn, _pad4(bias), bias_fn, q_offset, k_offset, block_q, block_k
+    )
+    with torch.no_grad():  # the block step is the math of a backward, never differentiated
+        out, lse = _forward(q, k, v, spec)
+    return out, lse
+
+
+def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine attention over two disjoint key sets into attention over their union.
+
+    ``out_x (..., i, dv)`` and ``lse_x (..., i)`` are as returned by ``forward_blocks``. With
+    ``lse = log(exp(lse_a) + exp(lse_b))``, the union's output is
+    ``exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b`` (FlashAttention's rescaling rule).
+    """
+    m = torch.maximum(lse_a, lse_b)
+    wa = torch.exp(lse_a - m)
+    wb = torch.exp(lse_b - m)
+    total = wa + wb
+    lse = m + torch.log(total)
+    out = out_a * (wa / total).unsqueeze(-1) + out_b * (wb / total).unsqueeze(-1)
+    return out, lse
+
+
+def backward_blocks(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad_out: Tensor,
+    *,
+    scale: float,
+    mask: Tensor | None = None,
+    mask_fn: MaskFn | None = None,
+    bias: Tensor | None = None,
+    bias_fn: BiasFn | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients for one K/V shard, given the *global* ``out`` and ``lse`` of these queries.
+
+    ``out``/``lse`` are the final results over all shards (after ``merge``), ``grad_out`` the
+    gradient of the loss with respect to ``out``. Returns ``dq`` (this shard's contribution:
+    sum it over shards), ``dk`` and ``dv`` (complete for this shard), in the compute dtype.
+    Other arguments as in ``forward_blocks``.
+    """
+    spec = _Spec(
+        scale, _pad4(mask), mask_fn, _pad4(bias), bias_fn, q_offset, k_offset, block_q, block_k
+    )
+    with torch.no_grad():
+        dq, dk, dv, _ = _backward(q, k, v, out, lse, grad_out, spec, want_dbias=False)
+    return dq, dk, dv
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, spec: _Spec) -> tuple[Tensor, Tensor]:
+    tiles = _Tiles(spec, q, k)
+    g, dtype, blocked = tiles.g, tiles.dtype, tiles.blocked
+    q_r = _rows(q.to(dtype), g)  # (b, h_kv, i * g, d)
+    k, v = k.to(dtype), v.to(dtype)
+    nb, hk, rows = q_r.shape[:3]
+    out = torch.zeros(nb, hk, rows, v.shape[-1], dtype=dtype, device=q.device)
+    lse = torch.full((nb, hk, rows), blocked, dtype=dtype, device=q.device)
+    for i0 in range(0, tiles.ni, spec.block_q):
+        i1 = min(tiles.ni, i0 + spec.block_q)
+        r0, r1 = i0 * g, i1 * g
+        q_blk = q_r[:, :, r0:r1] * (spec.scale * LOG2E)  # base-2 scale folded in, one block
+        m = torch.full((nb, hk, r1 - r0), blocked, dtype=dtype, device=q.device)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(nb, hk, r1 - r0, v.shape[-1], dtype=dtype, device=q.device)
+        for sel, state in tiles.groups(i0, i1):
+            s = tiles.logits(q_blk, _keys(k, sel), i0, i1, sel, state)
+            if s is None:
+                continue
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            # A row blocked in every tile so far has m_new = blocked and gets p = 1 here: that
+            # garbage is scaled by exp2(blocked - m) = 0 once a visible key arrives, or zeroed
+            # below if none ever does.
+            p = s.sub_(m_new.unsqueeze(-1)).exp2_()  # (b, h_kv, rows, bj), in place
+            alpha = torch.exp2(m - m_new)
+            l = l * alpha + p.sum(dim=-1)
+            acc.mul_(alpha.unsqueeze(-1)).add_(p @ _keys(v, sel))
+            m = m_new
+        seen = m > blocked  # rows with at least one visible key
+        out[:, :, r0:r1] = torch.where(
+            seen.unsqueeze(-1), acc / l.clamp_min(1e-30).unsqueeze(-1), 0
+        )
+        lse[:, :, r0:r1] = torch.where(seen, (m + torch.log2(l.clamp_min(1e-30))) * LN2, blocked)
+    return _unrows(out, g), _unrows(lse.unsqueeze(-1), g).squeeze(-1)
+
+
+def _sum_to(t: Tensor, shape: torch.Size) -> Tensor:
+    """Sum a (b, h, bi, bj) tile over the axes where ``shape`` has size 1 (broadcast axes)."""
+    dims = [d for d in range(4) if shape[d] == 1 and t.shape[d] != 1]
+    return t.sum(dim=dims, keepdim=True) if dims else t
+
+
+def _backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad_out: Tensor,
+    spec: _Spec,
+    want_dbias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    tiles = _Tiles(spec, q, k)
+    g, dtype = tiles.g, tiles.dtype
+    q_c = _rows(q.to(dtype), g)  # (b, h_kv, i * g, d)
+    k, v = k.to(dtype), v.to(dtype)
+    do = _rows(grad_out.to(dtype), g)  # (b, h_kv, i * g, dv)
+    out_r = _rows(out.to(dtype), g)  # (b, h_kv, i * g, dv)
+    lse_r = _rows(lse.to(dtype).unsqueeze(-1), g).squeeze(-1)  # (b, h_kv, i * g)
+    # A row that saw no key: every score is the blocked minimum; with lse2 = 0, p = exp2(min) = 0.
+    lse2 = torch.where(lse_r > tiles.blocked * 0.5, lse_r * LOG2E, 0.0)
+    dq = torch.zeros_like(q_c)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    dbias = None
+    if want_dbias and spec.bias is not None:
+        dbias = torch.zeros(spec.bias.shape, dtype=dtype, device=q.device)
+    for i0 in range(0, tiles.ni, spec.block_q):
+        i1 = min(tiles.ni, i0 + spec.block_q)
+        r0, r1 = i0 * g, i1 * g
+        q_blk, do_blk = q_c[:, :, r0:r1], do[:, :, r0:r1].contiguous()
+        q2_blk = q_blk * (spec.scale * LOG2E)
+        delta = (do_blk * out_r[:, :, r0:r1]).sum(dim=-1)  # D = rowsum(dO * O), (b, h_kv, rows)
+        dq_blk = dq[:, :, r0:r1]
+        for sel, state in tiles.groups(i0, i1):
+            k_t, v_t = _keys(k, sel), _keys(v, sel)
+            s = tiles.logits(q2_blk, k_t, i0, i1, sel, state)
+            if s is None:
+                continue
+            p = s.sub_(lse2[:, :, r0:r1].unsqueeze(-1)).exp2_()  # probabilities, recomputed
+            dp = do_blk @ v_t.transpose(-2, -1)  # (b, h_kv, rows, bj)
+            ds = dp.sub_(delta.unsqueeze(-1)).mul_(p)  # d loss / d scores
+            dq_blk.add_(ds @ k_t)
+            if isinstance(sel, slice):
+                dv[:, :, sel].add_(p.transpose(-2, -1) @ do_blk)
+                dk[:, :, sel].add_(ds.transpose(-2, -1) @ q_blk)
+            else:
+                dv.index_add_(2, sel, p.transpose(-2, -1) @ do_blk)
+                dk.index_add_(2, sel, ds.transpose(-2, -1) @ q_blk)
+            if dbias is not None:
+                tile = _sum_to(_untile_rows(ds, g), dbias.shape)  # (b?, h?, bi?, bj?)
+                rows = slice(i0, i1) if dbias.shape[2] != 1 else slice(None)
+                if dbias.shape[3] == 1:
+                    dbias[:, :, rows].add_(tile.sum(dim=3, keepdim=True))
+                elif isinstance(sel, slice):
+                    dbias[:, :, rows, sel].add_(tile)
+                else:
+                    dbias[:, :, rows].index_add_(3, sel, tile)
+    dq.mul_(spec.scale)
+    dk.mul_(spec.scale)
+    return _unrows(dq, g), dk, dv, dbias
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Forward saves only q, k, v, the output and the log-sum-exp; backward recomputes tiles."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, spec: _Spec):  # type: ignore[override]
+        spec = replace(spec, bias=bias)
+        out, lse = _forward(q, k, v, spec)
+        out = out.to(q.dtype)
+        ctx.spec = spec
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        spec = replace(ctx.spec, bias=bias)
+        want_dbias = bias is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = _backward(q, k, v, out, lse, grad_out, spec, want_dbias)
+        if dbias is not None:
+            dbias = dbias.to(bias.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, None
+
+
+def tiled_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float | None = None,
+    mask: Tensor | None = None,
+    mask_fn: MaskFn | None = None,
+    bias: Tensor | None = None,
+    bias_fn: BiasFn | None = None,
+    is_causal: bool = False,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+    gather: bool = False,
+) -> Tensor:
+    """Differentiable tiled attention on 4-D inputs ``(b, h, i, d)``; see the module docstring.
+
+    ``is_causal`` is aligned bottom-right (as ``scaled_dot_product_attention``). Gradients flow
+    to ``q``, ``k``, ``v`` and a ``bias`` tensor. ``gather=True`` visits all the key ranges a
+    query block may see as one group (gathered when they are not contiguous): fewer, larger
+    matmuls for sparse layouts (the ``sparse`` backend).
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if is_causal:
+        mask_fn = all_of(mask_fn, causal_fn(k.shape[2] - q.shape[2]))
+    spec = _Spec(
+        scale, _pad4(mask), mask_fn, None, bias_fn, block_q=block_q, block_k=block_k, gather=gather
+    )
+    return _TiledAttention.apply(q, k, v, _pad4(bias), spec)
+
+
+# The registry entry: AttentionCall (any leading dims) -> 4-D tiled_attention.
+
+
+def _pad4(t: Tensor | None) -> Tensor | None:
+    """A mask or bias of rank <= 4 as 4-D (leading singleton axes added)."""
+    return None if t is None else t.reshape((1,) * (4 - t.ndim) + tuple(t.shape))
+
+
+def _as4d(t: Tensor, ndim: int, lead: tuple[int, ...]) -> Tensor:
+    """A tensor broadcastable to (*lead, h, i, x), as 4-D (b, h, i, x) with b = prod(lead)."""
+    t = t.reshape((1,) * (ndim - t.ndim) + tuple(t.shape))
+    if ndim <= 4:
+        return _pad4(t)
+    if all(s == 1 for s in t.shape[:-3]):
+        return t.reshape(1, *t.shape[-3:])
+    t = t.expand(*lead, *t.shape[-3:])  # a broadcast leading axis is copied here, only here
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def why_not(call: AttentionCall) -> str | None:
+    if call.return_weights:
+        return "return_weights=True: the tiled backend never builds the attention weights"
+    if call.dropout_p > 0.0:
+        return (
+            f"dropout_p={call.dropout_p}: the tiled backend cannot replay a dropout mask tile by "
+            "tile in its backward; use backend='math' or 'torch' for dropout"
+        )
+    if callable(call.bias) and torch.is_grad_enabled():
+        probe = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=call.query.device)
+        if call.bias(probe, probe, probe, probe).requires_grad:
+            return (
+                "the bias function's output requires grad: the tiled backend does not "
+                "differentiate through bias functions; pass the bias as a tensor"
+            )
+    return None
+
+
+def run_call(
+    call: AttentionCall,
+    *,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+    gather: bool = False,
+    extra_mask_fn: MaskFn | None = None,
+) -> Tensor:
+    """Serve an ``AttentionCall`` (any leading dims) with ``tiled_attention``; used by ``sparse``.
+
+    ``extra_mask_fn`` is ANDed with the call's mask (the sparse backend's layout).
+    """
+    q, k, v = call.query, call.key, call.value
+    ndim = q.ndim
+    lead = tuple(q.shape[:-3])
+    q4, k4, v4 = (_as4d(t, ndim, lead) for t in (q, k, v))
+    mask_fn = all_of(call.mask if callable(call.mask) else None, extra_mask_fn)
+    mask_t = None if call.mask is None or callable(call.mask) else _as4d(call.mask, ndim, lead)
+    bias_fn = call.bias if callable(call.bias) else None
+    bias_t = None if call.bias is None or bias_fn is not None else _as4d(call.bias, ndim, lead)
+    out = tiled_attention(
+        q4,
+        k4,
+        v4,
+        scale=call.scale,
+        mask=mask_t,
+        mask_fn=mask_fn,
+        bias=bias_t,
+        bias_fn=bias_fn,
+        is_causal=call.is_causal,
+        block_q=block_q,
+        block_k=block_k,
+        gather=gather,
+    )
+    return out.reshape(*q.shape[:-1], v.shape[-1])
+
+
+def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    reason = why_not(call)
+    if reason is not None:
+        raise BackendUnavailable(f"backend 'tiled' cannot serve this call: {reason}")
+    return run_call(call), None
+
+
+register_backend(
+    "tiled",
+    run,
+    why_not,
+    description="FlashAttention in PyTorch: online softmax over tiles, recomputing backward",
+)
+
+
+def _why_not_functions(call: AttentionCall) -> str | None:
+    if not (callable(call.mask) or callable(call.bias)):
+        return "auto's route for calls with a mask or bias function; this call has none"
+    return why_not(call)
+
+
+register_backend(
+    "tiled-functions",
+    run,
+    _why_not_functions,
+    description="the tiled backend, for auto: calls with mask or bias functions (see AUTO_ORDER)",
+)

@@ -1,0 +1,187 @@
+"""``attnkit train iris|text``: the worked examples that learn (see ``attnkit.train``)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attnkit.distributed.ddp import DistEnv
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train the Iris or the review classifier; writes a checkpoint and metrics.json",
+        description="Train a worked example; the checkpoint, metrics.json and the attention "
+        "pictures go to --out (default runs/TASK[-VARIANT]-seedN).",
+    )
+    p.add_argument("task", choices=["iris", "text"])
+    p.add_argument("--seed", type=int, default=0, help="seeds the split, the weights, the order")
+    p.add_argument("--out", type=Path, default=None, help="checkpoint directory")
+    p.add_argument(
+        "--variant",
+        choices=["scratch", "pretrained"],
+        default="scratch",
+        help="text only: from-scratch model or fine-tuned MiniLM",
+    )
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--patience", type=int, default=None, help="0 = no early stopping")
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--max-len", type=int, default=64, help="text: tokens per snippet")
+    p.add_argument(
+        "--freeze-layers",
+        type=int,
+        default=None,
+        help="pretrained: freeze embeddings and this many lower layers",
+    )
+    p.add_argument("--limit-train", type=int, default=None, help="text: use N training snippets")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default 1, 2 for the pretrained model; on a busy machine use 1: "
+        "two threads that wait for each other can be 20x slower)",
+    )
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _train_config(args: argparse.Namespace, default):
+    from dataclasses import asdict
+
+    from attnkit.train import TrainConfig
+
+    changes = {
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "patience": args.patience,
+    }
+    return TrainConfig(**{**asdict(default), **{k: v for k, v in changes.items() if v is not None}})
+
+
+def run(args: argparse.Namespace) -> int:
+    # Under `torchrun --nproc_per_node=W -m attnkit.cli train ...` every process runs this:
+    # setup() joins the process group (gloo), training is data parallel (DDP) and only
+    # rank 0 writes files and prints. Without torchrun it is a world of one.
+    from attnkit.distributed import ddp
+
+    env = ddp.setup(backend="gloo")  # attnkit.train's loop runs on the CPU, so gloo even on GPUs
+    try:
+        code = _run(args, env, print if env.is_main else lambda *a, **k: None)  # rank 0 prints
+        ddp.barrier(env)  # rank 0's files are complete before any process exits
+        return code
+    finally:
+        ddp.teardown(env)
+
+
+def _run(args: argparse.Namespace, env: DistEnv, say: Callable[..., None]) -> int:
+    from attnkit._io import check_writable
+
+    variant = args.variant if args.task == "text" else "scratch"
+    if args.task == "iris" and args.variant != "scratch":
+        raise ValueError("--variant pretrained is for the text task; iris has one model")
+    suffix = f"-{variant}" if args.task == "text" else ""
+    out = args.out or Path("runs") / f"{args.task}{suffix}-seed{args.seed}"
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    from attnkit.distributed import ddp
+
+    ddp.barrier(env)  # the directory exists for every rank, so all ranks check alike
+    check_writable(out / "metrics.json")  # fail now, not after training
+
+    import torch
+
+    from attnkit.train.tasks import format_table
+
+    torch.set_num_threads(args.threads or (2 if variant == "pretrained" else 1))
+    progress = False if args.quiet else None
+    sizes = {"d_model": args.d_model, "num_heads": args.heads, "num_layers": args.layers}
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if args.task == "iris":
+        from dataclasses import replace
+
+        from attnkit.models.classifiers import TabularConfig
+        from attnkit.train.iris import IRIS_TRAIN, train_iris
+
+        m = train_iris(
+            seed=args.seed,
+            out=out,
+            model_config=replace(TabularConfig(), **sizes),
+            train_config=_train_config(args, IRIS_TRAIN),
+            resume=args.resume,
+            progress=progress,
+        )
+        rows = [
+            [
+                "attention (CLS)",
+                m["train_accuracy"],
+                m["val_accuracy"],
+                m["test_accuracy"],
+                m["params"],
+                m["epochs"],
+                m["seconds"],
+            ]
+        ]
+    else:
+        from attnkit.train.text import PRETRAINED_TRAIN, SCRATCH_TRAIN, train_text
+
+        if variant == "pretrained":
+            if sizes:
+                raise ValueError("--d-model/--heads/--layers are for the scratch model")
+            model_config = (
+                {} if args.freeze_layers is None else {"freeze_layers": args.freeze_layers}
+            )
+            default = PRETRAINED_TRAIN
+        else:
+            model_config, default = sizes, SCRATCH_TRAIN
+        m = train_text(
+            variant=variant,
+            seed=args.seed,
+            out=out,
+            model_config=model_config,
+            train_config=_train_config(args, default),
+            max_len=args.max_len,
+            resume=args.resume,
+            progress=progress,
+            limit_train=args.limit_train,
+        )
+        b = m["baseline"]
+        rows = [
+            [
+                "TF-IDF + logistic regression",
+                b["train_accuracy"],
+                b["val_accuracy"],
+                b["test_accuracy"],
+                "-",
+                "-",
+                b["seconds"],
+            ],
+            [
+                f"attention ({variant})",
+                m["train_accuracy"],
+                m["val_accuracy"],
+                m["test_accuracy"],
+                m["params"],
+                m["epochs"],
+                m["seconds"],
+            ],
+        ]
+        for e in m["examples"]:
+            words = ", ".join(f"{w} {x:.2f}" for w, x in e["top_words"])
+            say(f"[{e['label']} -> {e['predicted']} {e['probability']:.2f}] {e['text'][:90]}")
+            say(f"    most weighted: {words}")
+    header = ["model", "train acc", "val acc", "test acc", "params", "best epoch", "seconds"]
+    say(format_table(rows, header))
+    if args.task == "iris":
+        say("\n".join(m["heads"]))
+    say(f"checkpoint and metrics.json in {out}")
+    return 0

@@ -1,0 +1,362 @@
+"""A small, reusable training loop: seeded, deterministic, resumable.
+
+``fit`` trains any classifier ``model(**inputs) -> logits (b, classes)`` on a dataset given as a
+dict of tensors with a ``"labels"`` entry (every tensor has the examples on dim 0):
+
+- AdamW (Loshchilov & Hutter 2019, decoupled weight decay) with a linear warm-up followed by a
+  cosine (Loshchilov & Hutter 2017, SGDR, without restarts) or linear decay, set per step;
+- early stopping: the best epoch on validation (lowest loss, or highest accuracy with ties broken
+  by loss) is kept, and training stops after ``patience`` epochs without a better one;
+- a tqdm progress bar with the running loss and accuracy (off when stderr is not a terminal);
+- a checkpoint after every epoch (``out_dir``): the best weights as ``model.safetensors``, and
+  everything needed to continue (current weights, optimizer moments, the global RNG state, step,
+  epoch, history, best score) as ``trainer_state.safetensors`` + ``trainer_state.json``.
+
+Why a resumed run equals an uninterrupted one: the shuffling order of epoch ``e`` is a pure
+function of ``(seed, e)``, the learning rate a pure function of the step, dropout draws from the
+global RNG whose state is saved at the epoch boundary, and safetensors stores the floats exactly.
+Resuming from the end of epoch ``k`` therefore replays epochs ``k+1...`` bit for bit on the same
+machine and thread count.
+
+Seams for data-parallel training (``torchrun``): pass ``make_optimizer`` to build the optimizer
+(for example around a ``DistributedDataParallel`` model), ``sampler(n, epoch) -> indices`` to give
+each rank its shard of the epoch's order, and ``is_writer=False`` on every rank but 0. Every rank
+evaluates the full validation set with identical weights, so all ranks reach the same
+early-stopping decision without communication.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnkit.train.checkpoint import (
+    MODEL_FILE,
+    load_json,
+    load_tensors,
+    save_json,
+    save_tensors,
+)
+
+__all__ = [
+    "Dataset",
+    "FitResult",
+    "TrainConfig",
+    "evaluate",
+    "fit",
+    "lr_at",
+    "predict",
+    "shuffled_order",
+    "trim_padding",
+]
+
+Dataset = dict[str, Tensor]  # {"labels": (n,), other model inputs: (n, ...)}
+STATE_JSON = "trainer_state.json"
+STATE_TENSORS = "trainer_state.safetensors"
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train. ``patience=0`` never stops early; ``grad_clip=0`` does not clip."""
+
+    epochs: int = 100
+    batch_size: int = 16
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_frac: float = 0.05  # share of all steps spent warming up linearly from 0
+    schedule: str = "cosine"  # after warm-up: "cosine" | "linear" (to 0) | "constant"
+    patience: int = 20
+    grad_clip: float = 1.0
+    seed: int = 0
+    monitor: str = "val_loss"  # what picks the best epoch: "val_loss" or "val_accuracy"
+
+    def __post_init__(self) -> None:
+        if self.monitor not in ("val_loss", "val_accuracy"):
+            raise ValueError(f"monitor must be 'val_loss' or 'val_accuracy', got {self.monitor!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        for name in ("epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_frac < 1:
+            raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac}")
+        if self.lr <= 0 or self.patience < 0 or self.grad_clip < 0:
+            raise ValueError(
+                f"need lr > 0, patience >= 0, grad_clip >= 0; got lr={self.lr}, "
+                f"patience={self.patience}, grad_clip={self.grad_clip}"
+            )
+
+
+@dataclass
+class FitResult:
+    best_epoch: int  # 1-based epoch whose weights the model holds now ("epochs to convergence")
+    epochs_run: int
+    stopped_early: bool
+    seconds: float  # training time, summed over resumed sessions
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def lr_at(step: int, total: int, config: TrainConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based) out of ``total``."""
+    warmup = int(config.warmup_frac * total)
+    if step < warmup:
+        return config.lr * (step + 1) / warmup
+    if config.schedule == "constant":
+        return config.lr
+    progress = (step - warmup) / max(1, total - warmup)  # 0 -> 1 over the decay phase
+    if config.schedule == "linear":
+        return config.lr * (1.0 - progress)
+    return config.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def shuffled_order(seed: int) -> Callable[[int, int], Tensor]:
+    """The default sampler: a fresh permutation per epoch, a pure function of (seed, epoch)."""
+
+    def order(n: int, epoch: int) -> Tensor:
+        gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        return torch.randperm(n, generator=gen)
+
+    return order
+
+
+def trim_padding(batch: Dataset) -> Dataset:
+    """Drop trailing columns that are padding in every row (needs an ``attention_mask``)."""
+    mask = batch.get("attention_mask")
+    if mask is None or mask.dim() != 2:
+        return batch
+    length = int(mask.any(dim=0).nonzero().max()) + 1 if mask.any() else 1
+    width = mask.shape[1]
+    return {
+        k: v[:, :length] if v.dim() == 2 and v.shape[1] == width else v for k, v in batch.items()
+    }
+
+
+def _take(data: Dataset, idx: Tensor) -> Dataset:
+    return trim_padding({k: v[idx] for k, v in data.items()})
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)  # DistributedDataParallel keeps the model in .module
+
+
+def _check_dataset(data: Dataset, name: str) -> int:
+    if not isinstance(data, dict) or "labels" not in data:
+        raise ValueError(f"{name} must be a dict of tensors with a 'labels' entry")
+    n = len(data["labels"])
+    bad = {k: tuple(v.shape) for k, v in data.items() if len(v) != n}
+    if bad:
+        raise ValueError(f"{name}: every tensor needs {n} rows like 'labels', got {bad}")
+    if n == 0:
+        raise ValueError(f"{name} is empty")
+    return n
+
+
+@torch.no_grad()
+def predict(model: nn.Module, data: Dataset, batch_size: int = 256) -> Tensor:
+    """Logits ``(n, classes)`` in eval mode (no dropout)."""
+    was_training = model.training
+    model.eval()
+    n = _check_dataset(data, "data")
+    out = []
+    for start in range(0, n, batch_size):
+        batch = _take(data, torch.arange(start, min(n, start + batch_size)))
+        batch.pop("labels")
+        out.append(model(**batch).float())
+    model.train(was_training)
+    return torch.cat(out)
+
+
+def evaluate(model: nn.Module, data: Dataset, batch_size: int = 256) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model`` on ``data``."""
+    logits = predict(model, data, batch_size)
+    labels = data["labels"]
+    loss = F.cross_entropy(logits, labels).item()
+    acc = (logits.argmax(dim=-1) == labels).float().mean().item()
+    return loss, acc
+
+
+def default_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; biases, norms and embeddings-like 1-D parameters get no weight decay."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.999))
+
+
+def _save_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
+    """Write the resumable state: tensors first, then the JSON naming the epoch they belong to."""
+    sd = opt.state_dict()
+    tensors = {f"model.{k}": v for k, v in _unwrap(model).state_dict().items()}
+    tensors["rng.torch"] = torch.get_rng_state()
+    for pid, st in sd["state"].items():
+        for name, value in st.items():
+            if not torch.is_tensor(value):
+                raise TypeError(f"optimizer state {name!r} is not a tensor; cannot checkpoint it")
+            tensors[f"optimizer.{pid}.{name}"] = value
+    save_tensors(out / STATE_TENSORS, tensors, metadata={"epoch": str(state["epoch"])})
+    save_json(out / STATE_JSON, {**state, "param_groups": sd["param_groups"]})
+
+
+def _load_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    state = load_json(out / STATE_JSON)
+    tensors, meta = load_tensors(out / STATE_TENSORS)
+    if meta.get("epoch") != str(state.get("epoch")):
+        raise ValueError(
+            f"{out}: {STATE_TENSORS} (epoch {meta.get('epoch')}) and {STATE_JSON} "
+            f"(epoch {state.get('epoch')}) disagree; the run was cut while saving, restart it"
+        )
+    weights = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
+    try:
+        _unwrap(model).load_state_dict(weights, strict=True)
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0]
+        raise ValueError(f"{out}: saved weights do not fit this model ({first})") from None
+    opt_state: dict[int, dict[str, Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optimizer."):
+            _, pid, name = key.split(".", 2)
+            opt_state.setdefault(int(pid), {})[name] = value
+    opt.load_state_dict({"state": opt_state, "param_groups": state.pop("param_groups")})
+    torch.set_rng_state(tensors["rng.torch"])
+    return state
+
+
+def fit(
+    model: nn.Module,
+    train: Dataset,
+    val: Dataset,
+    config: TrainConfig,
+    *,
+    out_dir: str | Path | None = None,
+    resume: bool = False,
+    progress: bool | None = None,
+    make_optimizer: Callable[[nn.Module, TrainConfig], torch.optim.Optimizer] = default_optimizer,
+    sampler: Callable[[int, int], Tensor] | None = None,
+    is_writer: bool = True,
+    stop_after: int | None = None,
+) -> FitResult:
+    """Train ``model`` in place; on return it holds the weights of the best validation epoch.
+
+    Args:
+        out_dir: checkpoint directory (written after every epoch, only when ``is_writer``).
+        resume: continue from ``out_dir``'s trainer state if there is one (else start fresh).
+        progress: show a progress bar; ``None`` means "if stderr is a terminal".
+        make_optimizer: seam to build the optimizer (default: AdamW, no decay on 1-D params).
+        sampler: seam ``(n, epoch) -> indices`` for the epoch's order (default: a seeded shuffle).
+        stop_after: stop (as if interrupted) after this many epochs in total; for tests and demos
+            of ``resume``. The schedule still spans ``config.epochs``.
+    """
+    n = _check_dataset(train, "train")
+    _check_dataset(val, "val")
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None and is_writer:
+        out.mkdir(parents=True, exist_ok=True)
+    sampler = sampler or shuffled_order(config.seed)
+    torch.manual_seed(config.seed)  # the stream dropout draws from
+    opt = make_optimizer(model, config)
+    steps_per_epoch = math.ceil(len(sampler(n, 0)) / config.batch_size)
+    total_steps = config.epochs * steps_per_epoch
+
+    state: dict[str, Any] = {
+        "epoch": 0,
+        "step": 0,
+        "best_score": None,
+        "best_epoch": 0,
+        "bad_epochs": 0,
+        "stopped_early": False,
+        "seconds": 0.0,
+        "history": [],
+        "config": asdict(config),
+    }
+    best_weights = {k: v.detach().clone() for k, v in _unwrap(model).state_dict().items()}
+    if resume and out is not None and (out / STATE_JSON).exists():
+        state = _load_state(out, model, opt)
+        if state.get("config") != asdict(config):
+            raise ValueError(
+                f"{out}: --resume with a different training configuration "
+                f"(saved {state.get('config')}, now {asdict(config)})"
+            )
+        if state["best_epoch"] > 0:
+            best, _ = load_tensors(out / MODEL_FILE)
+            best_weights = best
+
+    from tqdm.auto import tqdm  # lazy: the `train` extra
+
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = tqdm(total=total_steps, initial=state["step"], disable=not show, unit="step", leave=False)
+    last_epoch = config.epochs if stop_after is None else min(config.epochs, stop_after)
+    while state["epoch"] < last_epoch and not state["stopped_early"]:
+        epoch = state["epoch"]
+        started = time.perf_counter()
+        model.train()
+        loss_sum, correct, seen = 0.0, 0, 0
+        order = sampler(n, epoch)
+        for start in range(0, len(order), config.batch_size):
+            batch = _take(train, order[start : start + config.batch_size])
+            labels = batch.pop("labels")
+            for group in opt.param_groups:  # a group may scale the schedule ("lr_scale")
+                group["lr"] = lr_at(state["step"], total_steps, config) * group.get("lr_scale", 1.0)
+            logits = model(**batch)
+            loss = F.cross_entropy(logits, labels)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if config.grad_clip > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            opt.step()
+            state["step"] += 1
+            loss_sum += loss.item() * len(labels)
+            correct += int((logits.argmax(dim=-1) == labels).sum())
+            seen += len(labels)
+            bar.update(1)
+            bar.set_postfix(
+                epoch=epoch + 1, loss=f"{loss_sum / seen:.3f}", acc=f"{correct / seen:.3f}"
+            )
+        val_loss, val_acc = evaluate(model, val)
+        # Higher is better; the other number breaks ties.
+        score = [-val_loss, val_acc] if config.monitor == "val_loss" else [val_acc, -val_loss]
+        improved = state["best_score"] is None or score > state["best_score"]
+        if improved:
+            state.update(best_score=score, best_epoch=epoch + 1, bad_epochs=0)
+            best_weights = {k: v.detach().clone() for k, v in _unwrap(model).state_dict().items()}
+        else:
+            state["bad_epochs"] += 1
+        state["history"].append(
+            {
+                "epoch": epoch + 1,
+                "train_loss": loss_sum / seen,
+                "train_accuracy": correct / seen,
+                "val_loss": val_loss,
+                "val_accuracy": val_acc,
+                "lr": opt.param_groups[0]["lr"],
+            }
+        )
+        state["epoch"] = epoch + 1
+        state["stopped_early"] = bool(config.patience and state["bad_epochs"] >= config.patience)
+        state["seconds"] += time.perf_counter() - started
+        bar.set_postfix(epoch=epoch + 1, loss=f"{loss_sum / seen:.3f}", val_acc=f"{val_acc:.3f}")
+        if out is not None and is_writer:
+            if improved:
+                save_tensors(out / MODEL_FILE, best_weights)
+            _save_state(out, model, opt, state)
+    bar.close()
+    _unwrap(model).load_state_dict(best_weights)
+    return FitResult(
+        best_epoch=state["best_epoch"],
+        epochs_run=state["epoch"],
+        stopped_early=state["stopped_early"],
+        seconds=state["seconds"],
+        history=state["history"],
+    )

@@ -1,0 +1,47 @@
+"""The attention benchmark's bookkeeping: FLOP counts and the five targets' verdicts."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "attention.py"
+spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def _row(method, n, fwd, fb, fwd_mb=None, fb_mb=None):
+    return {"n": n, "b": 1, "method": method, "skipped": False, "fwd_s": fwd, "fwdbwd_s": fb,
+            "fwd_mb": fwd_mb, "fwdbwd_mb": fb_mb}  # fmt: skip
+
+
+def test_flops() -> None:
+    assert bench.flops("torch", 2, 1024, "fwd") == 4 * 2 * 8 * 1024 * 1024 * 64
+    assert bench.flops("tiled causal", 1, 1024, "fwd") == 2 * 8 * 1024 * 1024 * 64
+    assert bench.flops("tiled", 1, 1024, "fwdbwd") == 3.5 * 4 * 8 * 1024 * 1024 * 64
+    assert bench.flops("sparse window 256", 1, 4096, "fwd") == 4 * 8 * 4096 * 256 * 64
+    assert bench.flops("linear", 1, 4096, "fwd") is None
+
+
+def test_targets_met_and_missed() -> None:
+    rows = [
+        _row("torch", 8192, 1.0, 3.0, 10, 100),
+        _row("tiled", 8192, 1.2, 3.5, 20, 140),  # 0.83x, 0.86x: T1 met; memory 1.4x: T3 met
+        _row("torch causal", 8192, 1.0, 3.0),
+        _row("tiled causal", 8192, 1.5, 3.0),  # 0.67x forward: T1 missed
+        _row("torch + ALiBi tensor", 8192, 2.0, 6.0, 1000, 4000),
+        _row("tiled + ALiBi fn", 8192, 1.5, 5.0, 20, 600),  # faster, but 0.15 memory: missed
+        _row("torch", 16384, 4.0, 12.0),
+        _row("linear", 16384, 0.1, 0.5),  # 40x, 24x: T5 met
+        _row("torch + window mask", 16384, 8.0, 24.0),
+        _row("sparse window 256", 16384, 0.6, 1.0),  # 13x, 24x: T4 missed
+    ]
+    t = bench.evaluate_targets(rows, ["fwd", "fwdbwd"])
+    assert t[("tiled", 8192)][0].startswith("T1 met")
+    assert t[("tiled", 8192)][1].startswith("T3 met")
+    assert t[("tiled causal", 8192)][0].startswith("T1 missed")
+    assert t[("tiled + ALiBi fn", 8192)][0].startswith("T2 missed")
+    assert t[("linear", 16384)][0].startswith("T5 met")
+    assert t[("sparse window 256", 16384)][0].startswith("T4 missed")
+    assert bench.fits("math", 1, 4096, 6.0) and not bench.fits("math", 1, 16384, 6.0)

