@@ -54,7 +54,10 @@ def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     row_has_key = None
     if mask is not None:
         row_has_key = mask.any(dim=-1, keepdim=True)  # (..., i, 1)
-        mask = mask | ~row_has_key  # a fully masked row attends everywhere; zeroed below
+        if bool(row_has_key.all()):
+            row_has_key = None  # the common case (padding, causal): nothing to repair
+        else:
+            mask = mask | ~row_has_key  # a fully masked row attends everywhere; zeroed below
     attn_mask = mask
     if bias is not None:
         blocked = torch.finfo(q.dtype).min
