@@ -1,4 +1,4 @@
-"""Models built from attnkit's modules: classifiers for the worked examples, pretrained BERT.
+"""Pretrained models built from attnkit's modules.
 
 ``attnkit.models.bert``: BERT, loading Hugging Face checkpoints; ``load_pretrained()`` gives the
 bundled all-MiniLM-L6-v2 ready to ``encode`` texts. ``attnkit.models.classifiers``: the worked
