@@ -149,6 +149,7 @@ class _Tiles:
         self.g = self.h // k.shape[1]
         self.dtype = _compute_dtype(q.dtype)
         self.blocked = _blocked(self.dtype)
+        self.underflow = math.log2(torch.finfo(self.dtype).tiny)  # -126 (float32), -1022 (64)
         device = q.device
         self.b_idx = torch.arange(self.nb, device=device).view(-1, 1, 1, 1)
         self.h_idx = torch.arange(self.h, device=device).view(1, -1, 1, 1)
@@ -235,24 +236,43 @@ class _Tiles:
     def logits(
         self, q2: Tensor, k_t: Tensor, i0: int, i1: int, sel: slice | Tensor, state: bool | None
     ) -> Tensor | None:
-        """Base-2 logits ``(b, h_kv, rows, bj)`` of a tile, or None when it is all blocked.
+        """Base-2 logits ``(b * h_kv, rows, bj)`` of a tile, or None when it is all blocked.
 
-        ``q2`` is the query block already multiplied by ``scale * log2(e)``.
+        ``q2`` ``(b * h_kv, rows, d)`` is the query block already multiplied by
+        ``scale * log2(e)``; ``k_t`` ``(b * h_kv, bj, d)`` the key tile.
         """
         allowed = self.allowed(i0, i1, sel, state)
         if allowed is not None and not bool(allowed.any()):
             return None  # a tile that evaluates all blocked costs nothing more
-        s = q2 @ k_t.transpose(-2, -1)  # (b, h_kv, rows, bj)
+        s = torch.bmm(q2, k_t.transpose(1, 2))  # (b * h_kv, rows, bj)
+        s4 = s.view(self.nb, -1, s.shape[1], s.shape[2])  # (b, h_kv, rows, bj), same memory
         bias = self.bias(i0, i1, sel)
         if bias is not None:
-            s.add_(bias, alpha=LOG2E)
+            s4.add_(bias, alpha=LOG2E)
         if allowed is not None:
-            s.masked_fill_(~allowed, self.blocked)
+            s4.masked_fill_(~allowed, self.blocked)
         return s
+
+    def exp2_shifted(self, s: Tensor, shift: Tensor) -> Tensor:
+        """``exp2(s - shift)`` in place; ``shift`` ``(b * h_kv, rows)``; exact zeros below 2^-126.
+
+        Logits that would underflow are set to the blocked minimum first: on CPU ``exp2`` is
+        3-4x slower on inputs whose result is subnormal or zero (typical with ALiBi: distant
+        keys), but fast on the finite minimum. Those weights are below 2^-126 (float32;
+        2^-1022 for float64) of the row maximum's: dropping them changes nothing measurable.
+        """
+        s.sub_(shift.unsqueeze(-1))
+        return torch.nn.functional.threshold_(s, self.underflow, self.blocked).exp2_()
 
 
 def _keys(t: Tensor, sel: slice | Tensor) -> Tensor:
-    return t[:, :, sel] if isinstance(sel, slice) else t.index_select(2, sel)
+    """Rows ``sel`` of a ``(b * h_kv, j, d)`` tensor (a view for a slice)."""
+    return t[:, sel] if isinstance(sel, slice) else t.index_select(1, sel)
+
+
+def _flat(t: Tensor) -> Tensor:
+    """(b, h, n, d) -> (b * h, n, d), a view when the two leading axes can merge."""
+    return t.flatten(0, 1)
 
 
 # The block step, public for ring attention.
@@ -351,18 +371,18 @@ def backward_blocks(
 def _forward(q: Tensor, k: Tensor, v: Tensor, spec: _Spec) -> tuple[Tensor, Tensor]:
     tiles = _Tiles(spec, q, k)
     g, dtype, blocked = tiles.g, tiles.dtype, tiles.blocked
-    q_r = _rows(q.to(dtype), g)  # (b, h_kv, i * g, d)
-    k, v = k.to(dtype), v.to(dtype)
-    nb, hk, rows = q_r.shape[:3]
-    out = torch.zeros(nb, hk, rows, v.shape[-1], dtype=dtype, device=q.device)
-    lse = torch.full((nb, hk, rows), blocked, dtype=dtype, device=q.device)
+    q_r = _flat(_rows(q.to(dtype), g))  # (b * h_kv, i * g, d)
+    k, v = _flat(k.to(dtype)), _flat(v.to(dtype))  # (b * h_kv, j, d)
+    bh, rows = q_r.shape[:2]
+    out = torch.zeros(bh, rows, v.shape[-1], dtype=dtype, device=q.device)
+    lse = torch.full((bh, rows), blocked, dtype=dtype, device=q.device)
     for i0 in range(0, tiles.ni, spec.block_q):
         i1 = min(tiles.ni, i0 + spec.block_q)
         r0, r1 = i0 * g, i1 * g
-        q_blk = q_r[:, :, r0:r1] * (spec.scale * LOG2E)  # base-2 scale folded in, one block
-        m = torch.full((nb, hk, r1 - r0), blocked, dtype=dtype, device=q.device)
+        q_blk = q_r[:, r0:r1] * (spec.scale * LOG2E)  # base-2 scale folded in, one block
+        m = torch.full((bh, r1 - r0), blocked, dtype=dtype, device=q.device)
         l = torch.zeros_like(m)
-        acc = torch.zeros(nb, hk, r1 - r0, v.shape[-1], dtype=dtype, device=q.device)
+        acc = torch.zeros(bh, r1 - r0, v.shape[-1], dtype=dtype, device=q.device)
         for sel, state in tiles.groups(i0, i1):
             s = tiles.logits(q_blk, _keys(k, sel), i0, i1, sel, state)
             if s is None:
@@ -371,17 +391,17 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, spec: _Spec) -> tuple[Tensor, Tens
             # A row blocked in every tile so far has m_new = blocked and gets p = 1 here: that
             # garbage is scaled by exp2(blocked - m) = 0 once a visible key arrives, or zeroed
             # below if none ever does.
-            p = s.sub_(m_new.unsqueeze(-1)).exp2_()  # (b, h_kv, rows, bj), in place
+            p = tiles.exp2_shifted(s, m_new)  # (b * h_kv, rows, bj), in place
             alpha = torch.exp2(m - m_new)
             l = l * alpha + p.sum(dim=-1)
-            acc.mul_(alpha.unsqueeze(-1)).add_(p @ _keys(v, sel))
+            acc.mul_(alpha.unsqueeze(-1)).add_(torch.bmm(p, _keys(v, sel)))
             m = m_new
         seen = m > blocked  # rows with at least one visible key
-        out[:, :, r0:r1] = torch.where(
-            seen.unsqueeze(-1), acc / l.clamp_min(1e-30).unsqueeze(-1), 0
-        )
-        lse[:, :, r0:r1] = torch.where(seen, (m + torch.log2(l.clamp_min(1e-30))) * LN2, blocked)
-    return _unrows(out, g), _unrows(lse.unsqueeze(-1), g).squeeze(-1)
+        out[:, r0:r1] = torch.where(seen.unsqueeze(-1), acc / l.clamp_min(1e-30).unsqueeze(-1), 0)
+        lse[:, r0:r1] = torch.where(seen, (m + torch.log2(l.clamp_min(1e-30))) * LN2, blocked)
+    nb, hk = tiles.nb, bh // tiles.nb
+    out4, lse4 = out.view(nb, hk, rows, -1), lse.view(nb, hk, rows, 1)
+    return _unrows(out4, g), _unrows(lse4, g).squeeze(-1)
 
 
 def _sum_to(t: Tensor, shape: torch.Size) -> Tensor:
@@ -402,11 +422,12 @@ def _backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     tiles = _Tiles(spec, q, k)
     g, dtype = tiles.g, tiles.dtype
-    q_c = _rows(q.to(dtype), g)  # (b, h_kv, i * g, d)
-    k, v = k.to(dtype), v.to(dtype)
-    do = _rows(grad_out.to(dtype), g)  # (b, h_kv, i * g, dv)
-    out_r = _rows(out.to(dtype), g)  # (b, h_kv, i * g, dv)
-    lse_r = _rows(lse.to(dtype).unsqueeze(-1), g).squeeze(-1)  # (b, h_kv, i * g)
+    nb, hk = k.shape[:2]
+    q_c = _flat(_rows(q.to(dtype), g))  # (b * h_kv, i * g, d)
+    k, v = _flat(k.to(dtype)), _flat(v.to(dtype))  # (b * h_kv, j, d)
+    do = _flat(_rows(grad_out.to(dtype), g))  # (b * h_kv, i * g, dv)
+    out_r = _flat(_rows(out.to(dtype), g))  # (b * h_kv, i * g, dv)
+    lse_r = _flat(_rows(lse.to(dtype).unsqueeze(-1), g)).squeeze(-1)  # (b * h_kv, i * g)
     # A row that saw no key: every score is the blocked minimum; with lse2 = 0, p = exp2(min) = 0.
     lse2 = torch.where(lse_r > tiles.blocked * 0.5, lse_r * LOG2E, 0.0)
     dq = torch.zeros_like(q_c)
@@ -418,27 +439,28 @@ def _backward(
     for i0 in range(0, tiles.ni, spec.block_q):
         i1 = min(tiles.ni, i0 + spec.block_q)
         r0, r1 = i0 * g, i1 * g
-        q_blk, do_blk = q_c[:, :, r0:r1], do[:, :, r0:r1].contiguous()
+        q_blk, do_blk = q_c[:, r0:r1], do[:, r0:r1].contiguous()
         q2_blk = q_blk * (spec.scale * LOG2E)
-        delta = (do_blk * out_r[:, :, r0:r1]).sum(dim=-1)  # D = rowsum(dO * O), (b, h_kv, rows)
-        dq_blk = dq[:, :, r0:r1]
+        delta = (do_blk * out_r[:, r0:r1]).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O)
+        dq_blk = dq[:, r0:r1]
         for sel, state in tiles.groups(i0, i1):
             k_t, v_t = _keys(k, sel), _keys(v, sel)
             s = tiles.logits(q2_blk, k_t, i0, i1, sel, state)
             if s is None:
                 continue
-            p = s.sub_(lse2[:, :, r0:r1].unsqueeze(-1)).exp2_()  # probabilities, recomputed
-            dp = do_blk @ v_t.transpose(-2, -1)  # (b, h_kv, rows, bj)
-            ds = dp.sub_(delta.unsqueeze(-1)).mul_(p)  # d loss / d scores
-            dq_blk.add_(ds @ k_t)
+            p = tiles.exp2_shifted(s, lse2[:, r0:r1])  # probabilities, recomputed
+            dp = torch.bmm(do_blk, v_t.transpose(1, 2))  # (b * h_kv, rows, bj)
+            ds = dp.sub_(delta).mul_(p)  # d loss / d scores
+            dq_blk.add_(torch.bmm(ds, k_t))
             if isinstance(sel, slice):
-                dv[:, :, sel].add_(p.transpose(-2, -1) @ do_blk)
-                dk[:, :, sel].add_(ds.transpose(-2, -1) @ q_blk)
+                dv[:, sel].add_(torch.bmm(p.transpose(1, 2), do_blk))
+                dk[:, sel].add_(torch.bmm(ds.transpose(1, 2), q_blk))
             else:
-                dv.index_add_(2, sel, p.transpose(-2, -1) @ do_blk)
-                dk.index_add_(2, sel, ds.transpose(-2, -1) @ q_blk)
+                dv.index_add_(1, sel, torch.bmm(p.transpose(1, 2), do_blk))
+                dk.index_add_(1, sel, torch.bmm(ds.transpose(1, 2), q_blk))
             if dbias is not None:
-                tile = _sum_to(_untile_rows(ds, g), dbias.shape)  # (b?, h?, bi?, bj?)
+                ds4 = ds.view(nb, hk, r1 - r0, -1)
+                tile = _sum_to(_untile_rows(ds4, g), dbias.shape)  # (b?, h?, bi?, bj?)
                 rows = slice(i0, i1) if dbias.shape[2] != 1 else slice(None)
                 if dbias.shape[3] == 1:
                     dbias[:, :, rows].add_(tile.sum(dim=3, keepdim=True))
@@ -448,7 +470,8 @@ def _backward(
                     dbias[:, :, rows].index_add_(3, sel, tile)
     dq.mul_(spec.scale)
     dk.mul_(spec.scale)
-    return _unrows(dq, g), dk, dv, dbias
+    unflat = (nb, hk, -1, dq.shape[-1])
+    return _unrows(dq.view(unflat), g), dk.view(unflat), dv.view(nb, hk, -1, dv.shape[-1]), dbias
 
 
 class _TiledAttention(torch.autograd.Function):
