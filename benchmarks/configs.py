@@ -79,20 +79,12 @@ def sweep_iris(seeds: list[int]) -> list[dict]:
 
 def sweep_text(epochs: int, limit_train: int | None, seed: int = 0) -> list[dict]:
     from attnkit.models.classifiers import TextAttentionClassifier, TextConfig, count_parameters
-    from attnkit.train.data import TextData, Vocab, load_rotten_tomatoes
+    from attnkit.train.data import Vocab, load_rotten_tomatoes
     from attnkit.train.loop import evaluate, fit
     from attnkit.train.text import SCRATCH_TRAIN, _scratch_sets
 
     data = load_rotten_tomatoes(seed)
-    if limit_train is not None:
-        data = TextData(
-            data.train_texts[:limit_train],
-            data.train_labels[:limit_train],
-            data.val_texts,
-            data.val_labels,
-            data.test_texts,
-            data.test_labels,
-        )
+    data = data.limited(limit_train)
     vocab = Vocab.build(data.train_texts)
     train, val, test = _scratch_sets(data, vocab, 64)
     config = replace(SCRATCH_TRAIN, epochs=epochs, seed=seed, patience=0)

@@ -21,8 +21,12 @@ FlashAttention-2, Dao 2023, Algorithm 2)::
 Extra memory is O(n * block): one tile of scores per step, never ``i x j``.
 
 Work is done in base 2 (``exp2``, with ``log2(e)`` folded into the scale) as FlashAttention does:
-on CPU ``torch.exp`` is 14-40x slower on underflowing inputs and ~5x slower on ``-inf``, while
-``exp2`` is fast everywhere. Blocked scores get the finite minimum, never ``-inf``.
+on CPU ``torch.exp`` is 14-40x slower on underflowing inputs and ~5x slower on ``-inf``.
+``exp2`` is fast on the finite minimum but, on some CPUs, still 3-4x slower where its result is
+subnormal or underflows (logits more than 126 below the row maximum: distant keys under ALiBi),
+so those logits are set to the finite minimum before ``exp2`` (their weights are below 2^-126
+of the largest and become exact zeros). Blocked scores get the finite minimum, never ``-inf``.
+Each tile's matmuls are 3-D ``bmm`` calls over the flattened (batch, head) axis.
 
 Masks and biases: bool tensors and float tensors broadcastable to ``(b, h, i, j)`` are sliced per
 tile; mask and bias *functions* ``fn(b, h, i, j)`` are evaluated per tile. Tiles a mask function

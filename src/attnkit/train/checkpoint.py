@@ -125,3 +125,17 @@ def load_model_weights(model: nn.Module, path: str | Path) -> nn.Module:
     with torch.no_grad():
         model.load_state_dict(tensors, strict=True)
     return model
+
+
+def start_run(out: Path | None, run_config: dict[str, Any], *, resume: bool, writer: bool) -> None:
+    """Check a resumed run's saved settings against ``run_config``, then (writer only) save them.
+
+    Every process of a data-parallel run reads; only the ``writer`` (rank 0) writes.
+    """
+    if out is None:
+        return
+    if resume and (out / CONFIG_FILE).exists() and read_config(out) != run_config:
+        raise ValueError(f"{out}: --resume with different settings than the saved run")
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        save_json(out / CONFIG_FILE, run_config)

@@ -22,7 +22,7 @@ import io
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -138,6 +138,14 @@ class TextData:
     val_labels: Tensor
     test_texts: list[str]
     test_labels: Tensor
+
+    def limited(self, n_train: int | None) -> TextData:
+        """The same splits with only the first ``n_train`` training snippets (None: all)."""
+        if n_train is None:
+            return self
+        return replace(
+            self, train_texts=self.train_texts[:n_train], train_labels=self.train_labels[:n_train]
+        )
 
 
 def load_rotten_tomatoes(

@@ -19,12 +19,11 @@ import torch
 from attnkit.distributed.ddp import current_env, prepare_fit
 from attnkit.models.classifiers import TabularAttentionClassifier, TabularConfig, count_parameters
 from attnkit.train.checkpoint import (
-    CONFIG_FILE,
     FORMAT,
     MODEL_FILE,
     load_model_weights,
-    read_config,
     save_json,
+    start_run,
 )
 from attnkit.train.data import IRIS_FEATURES, load_iris_splits
 from attnkit.train.loop import TrainConfig, evaluate, fit
@@ -181,12 +180,7 @@ def train_iris(
         "train": asdict(train_config),
     }
     env = current_env()  # several processes under torchrun: only rank 0 writes
-    saved = out is not None and resume and (out / CONFIG_FILE).exists()
-    if saved and read_config(out) != run_config:  # every rank reads; only rank 0 writes below
-        raise ValueError(f"{out}: --resume with different settings than the saved run")
-    if out is not None and env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        save_json(out / CONFIG_FILE, run_config)
+    start_run(out, run_config, resume=resume, writer=env.is_main)
     train, val, test = _datasets(seed)
     model = build_iris(model_config, seed)
     started = time.perf_counter()

@@ -31,13 +31,12 @@ from attnkit.models.classifiers import (
     count_parameters,
 )
 from attnkit.train.checkpoint import (
-    CONFIG_FILE,
     FORMAT,
     MODEL_FILE,
     load_json,
     load_model_weights,
-    read_config,
     save_json,
+    start_run,
 )
 from attnkit.train.data import RT_LABELS, TextData, Vocab, load_rotten_tomatoes
 from attnkit.train.loop import TrainConfig, default_optimizer, evaluate, fit
@@ -257,15 +256,7 @@ def train_text(
     train_config = TrainConfig(**{**asdict(train_config or default), "seed": seed})
     out = Path(out) if out is not None else None
     data = load_rotten_tomatoes(seed)
-    if limit_train is not None:
-        data = TextData(
-            data.train_texts[:limit_train],
-            data.train_labels[:limit_train],
-            data.val_texts,
-            data.val_labels,
-            data.test_texts,
-            data.test_labels,
-        )
+    data = data.limited(limit_train)
     if variant == "scratch":
         vocab = Vocab.build(data.train_texts)
         config = {"vocab_size": len(vocab), "max_len": max_len, **(model_config or {})}
@@ -286,14 +277,9 @@ def train_text(
         "train": asdict(train_config),
     }
     env = current_env()  # several processes under torchrun: only rank 0 writes
-    saved = out is not None and resume and (out / CONFIG_FILE).exists()
-    if saved and read_config(out) != run_config:  # every rank reads; only rank 0 writes below
-        raise ValueError(f"{out}: --resume with different settings than the saved run")
-    if out is not None and env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        save_json(out / CONFIG_FILE, run_config)
-        if vocab is not None:
-            save_json(out / VOCAB_FILE, vocab.words)
+    start_run(out, run_config, resume=resume, writer=env.is_main)
+    if out is not None and env.is_main and vocab is not None:
+        save_json(out / VOCAB_FILE, vocab.words)
 
     base = baseline_tfidf(data) if baseline else None
     model = _build(variant, config, seed)
@@ -369,17 +355,7 @@ def _metrics(model: torch.nn.Module, train: dict, val: dict, test: dict) -> dict
 
 def evaluate_text(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
     variant, seed, max_len = config["variant"], int(config["seed"]), int(config["max_len"])
-    data = load_rotten_tomatoes(seed)
-    limit = config.get("limit_train")
-    if limit is not None:
-        data = TextData(
-            data.train_texts[:limit],
-            data.train_labels[:limit],
-            data.val_texts,
-            data.val_labels,
-            data.test_texts,
-            data.test_labels,
-        )
+    data = load_rotten_tomatoes(seed).limited(config.get("limit_train"))
     if variant == "scratch":
         words = load_json(directory / VOCAB_FILE)
         if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
