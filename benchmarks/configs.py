@@ -8,6 +8,7 @@ configuration measured in the same run.
 
     python benchmarks/configs.py              # Iris seeds 0-2, text 3 epochs; writes the section
     python benchmarks/configs.py --quick      # smaller: 1 Iris seed, 1 text epoch on 2,000 snippets
+    python benchmarks/configs.py --text-epochs 1   # all training snippets, one epoch
     attnkit bench configs                     # the same, through the CLI
 """
 
@@ -147,16 +148,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smaller, faster sweep")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--threads", type=int, default=2, help="1 on a busy machine")
+    parser.add_argument(
+        "--text-epochs", type=int, default=None, help="text epochs (default 3; 1 with --quick)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     seeds = [0] if args.quick else [0, 1, 2]
     text_epochs, limit = (1, 2000) if args.quick else (3, None)
+    text_epochs = args.text_epochs or text_epochs
     started = time.perf_counter()
     iris = sweep_iris(seeds)
     text = sweep_text(text_epochs, limit)
     took = time.perf_counter() - started
     cmd = "python benchmarks/configs.py" + (" --quick" if args.quick else "")
     cmd += f" --threads {args.threads}" if args.threads != 2 else ""
+    cmd += f" --text-epochs {args.text_epochs}" if args.text_epochs else ""
     md = (
         "## Configuration sweep (Iris and review snippets)\n\n"
         f"`{cmd}` ({environment()}; {took / 60:.1f} min in all). Latency: median per example, "
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "30 test flowers per seed; training with early stopping):\n\n"
         f"{_table(iris, True)}\n\n"
         f"**Review snippets**, from-scratch model, seed 0, {text_epochs} epoch(s)"
-        f"{'' if limit is None else f' on {limit} training snippets'}, "
+        f"{' on all training snippets' if limit is None else f' on {limit} training snippets'}, "
         f"{len(load_test_size())} test snippets:\n\n"
         f"{_table(text, False)}\n\n"
         f"{_reading('Iris', iris)} {_reading('Reviews', text)}\n"

@@ -154,6 +154,8 @@ class _Tiles:
         self.dtype = _compute_dtype(q.dtype)
         self.blocked = _blocked(self.dtype)
         self.underflow = math.log2(torch.finfo(self.dtype).tiny)  # -126 (float32), -1022 (64)
+        # Only a bias spreads logits that far below the row maximum; without one, skip the pass.
+        self.flush = spec.bias is not None or spec.bias_fn is not None
         device = q.device
         self.b_idx = torch.arange(self.nb, device=device).view(-1, 1, 1, 1)
         self.h_idx = torch.arange(self.h, device=device).view(1, -1, 1, 1)
@@ -258,7 +260,8 @@ class _Tiles:
         return s
 
     def exp2_shifted(self, s: Tensor, shift: Tensor) -> Tensor:
-        """``exp2(s - shift)`` in place; ``shift`` ``(b * h_kv, rows)``; exact zeros below 2^-126.
+        """``exp2(s - shift)`` in place; ``shift`` ``(b * h_kv, rows)``; with a bias, exact zeros
+        below 2^-126.
 
         Logits that would underflow are set to the blocked minimum first: on CPU ``exp2`` is
         3-4x slower on inputs whose result is subnormal or zero (typical with ALiBi: distant
@@ -266,7 +269,9 @@ class _Tiles:
         2^-1022 for float64) of the row maximum's: dropping them changes nothing measurable.
         """
         s.sub_(shift.unsqueeze(-1))
-        return torch.nn.functional.threshold_(s, self.underflow, self.blocked).exp2_()
+        if self.flush:
+            torch.nn.functional.threshold_(s, self.underflow, self.blocked)
+        return s.exp2_()
 
 
 def _keys(t: Tensor, sel: slice | Tensor) -> Tensor:

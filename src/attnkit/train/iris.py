@@ -208,6 +208,7 @@ def train_iris(
         epochs_run=result.epochs_run,
         stopped_early=result.stopped_early,
         seconds=round(result.seconds, 2),
+        threads=torch.get_num_threads(),
         wall_seconds=round(wall, 2),
         heads=describe_heads(maps),
         heads_summary=summarize_heads(maps),
