@@ -251,7 +251,7 @@ class _Tiles:
         if allowed is not None and not bool(allowed.any()):
             return None  # a tile that evaluates all blocked costs nothing more
         s = torch.bmm(q2, k_t.transpose(1, 2))  # (b * h_kv, rows, bj)
-        s4 = s.view(self.nb, -1, s.shape[1], s.shape[2])  # (b, h_kv, rows, bj), same memory
+        s4 = _unflat(s, self.nb)  # (b, h_kv, rows, bj), same memory
         bias = self.bias(i0, i1, sel)
         if bias is not None:
             s4.add_(bias, alpha=LOG2E)
@@ -282,6 +282,11 @@ def _keys(t: Tensor, sel: slice | Tensor) -> Tensor:
 def _flat(t: Tensor) -> Tensor:
     """(b, h, n, d) -> (b * h, n, d), a view when the two leading axes can merge."""
     return t.flatten(0, 1)
+
+
+def _unflat(t: Tensor, nb: int) -> Tensor:
+    """(b * h, ...) -> (b, h, ...), the inverse of ``_flat`` (a view)."""
+    return t.view(nb, -1, *t.shape[1:])
 
 
 # The block step, public for ring attention.
@@ -408,8 +413,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, spec: _Spec) -> tuple[Tensor, Tens
         seen = m > blocked  # rows with at least one visible key
         out[:, r0:r1] = torch.where(seen.unsqueeze(-1), acc / l.clamp_min(1e-30).unsqueeze(-1), 0)
         lse[:, r0:r1] = torch.where(seen, (m + torch.log2(l.clamp_min(1e-30))) * LN2, blocked)
-    nb, hk = tiles.nb, bh // tiles.nb
-    out4, lse4 = out.view(nb, hk, rows, -1), lse.view(nb, hk, rows, 1)
+    out4, lse4 = _unflat(out, tiles.nb), _unflat(lse.unsqueeze(-1), tiles.nb)
     return _unrows(out4, g), _unrows(lse4, g).squeeze(-1)
 
 
@@ -431,7 +435,7 @@ def _backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     tiles = _Tiles(spec, q, k)
     g, dtype = tiles.g, tiles.dtype
-    nb, hk = k.shape[:2]
+    nb = tiles.nb
     q_c = _flat(_rows(q.to(dtype), g))  # (b * h_kv, i * g, d)
     k, v = _flat(k.to(dtype)), _flat(v.to(dtype))  # (b * h_kv, j, d)
     do = _flat(_rows(grad_out.to(dtype), g))  # (b * h_kv, i * g, dv)
@@ -468,8 +472,7 @@ def _backward(
                 dv.index_add_(1, sel, torch.bmm(p.transpose(1, 2), do_blk))
                 dk.index_add_(1, sel, torch.bmm(ds.transpose(1, 2), q_blk))
             if dbias is not None:
-                ds4 = ds.view(nb, hk, r1 - r0, -1)
-                tile = _sum_to(_untile_rows(ds4, g), dbias.shape)  # (b?, h?, bi?, bj?)
+                tile = _sum_to(_untile_rows(_unflat(ds, nb), g), dbias.shape)  # (b?, h?, bi?, bj?)
                 rows = slice(i0, i1) if dbias.shape[2] != 1 else slice(None)
                 if dbias.shape[3] == 1:
                     dbias[:, :, rows].add_(tile.sum(dim=3, keepdim=True))
@@ -479,8 +482,7 @@ def _backward(
                     dbias[:, :, rows].index_add_(3, sel, tile)
     dq.mul_(spec.scale)
     dk.mul_(spec.scale)
-    unflat = (nb, hk, -1, dq.shape[-1])
-    return _unrows(dq.view(unflat), g), dk.view(unflat), dv.view(nb, hk, -1, dv.shape[-1]), dbias
+    return _unrows(_unflat(dq, nb), g), _unflat(dk, nb), _unflat(dv, nb), dbias
 
 
 class _TiledAttention(torch.autograd.Function):

@@ -34,13 +34,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from attnkit.train.loop import TrainConfig
+    from attnkit.train.loop import FitResult, TrainConfig
 
 __all__ = [
     "DistEnv",
     "all_reduce_mean",
     "barrier",
     "current_env",
+    "fit_on_ranks",
     "launched_by_torchrun",
     "make_sampler",
     "prepare_fit",
@@ -253,3 +254,28 @@ def prepare_fit(
 
     per_rank = replace(config, batch_size=config.batch_size // env.world_size)
     return wrap_model(model, env), per_rank, {**seams, "sampler": shard}
+
+
+def fit_on_ranks(
+    model: nn.Module,
+    train: Any,
+    val: Any,
+    config: TrainConfig,
+    env: DistEnv,
+    *,
+    out_dir: Any = None,
+    resume: bool = False,
+    progress: bool | None = None,
+    make_optimizer: Callable[[nn.Module, TrainConfig], torch.optim.Optimizer] | None = None,
+) -> FitResult:
+    """``attnkit.train.fit`` through ``prepare_fit``: one process, or every rank under torchrun.
+
+    Only rank 0 shows progress and writes checkpoints; ``model`` holds the kept weights after.
+    """
+    from attnkit.train.loop import fit
+
+    fit_model, fit_config, seams = prepare_fit(model, config, env, make_optimizer=make_optimizer)
+    shown = progress if env.is_main else False
+    return fit(
+        fit_model, train, val, fit_config, out_dir=out_dir, resume=resume, progress=shown, **seams
+    )

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from attnkit.distributed.ddp import current_env, prepare_fit
+from attnkit.distributed.ddp import current_env, fit_on_ranks
 from attnkit.models.classifiers import TabularAttentionClassifier, TabularConfig, count_parameters
 from attnkit.train.checkpoint import (
     FORMAT,
@@ -26,7 +26,7 @@ from attnkit.train.checkpoint import (
     start_run,
 )
 from attnkit.train.data import IRIS_FEATURES, load_iris_splits
-from attnkit.train.loop import TrainConfig, evaluate, fit
+from attnkit.train.loop import TrainConfig, evaluate
 
 __all__ = [
     "IRIS_TRAIN",
@@ -184,17 +184,9 @@ def train_iris(
     train, val, test = _datasets(seed)
     model = build_iris(model_config, seed)
     started = time.perf_counter()
-    # Data parallel through fit's seams (a no-op on one process): attnkit.distributed.ddp.
-    fit_model, fit_config, fit_kwargs = prepare_fit(model, train_config, env)
-    result = fit(
-        fit_model,
-        train,
-        val,
-        fit_config,
-        out_dir=out,
-        resume=resume,
-        progress=progress if env.is_main else False,
-        **fit_kwargs,
+    # Data parallel (a no-op on one process): attnkit.distributed.ddp.
+    result = fit_on_ranks(
+        model, train, val, train_config, env, out_dir=out, resume=resume, progress=progress
     )
     wall = time.perf_counter() - started
     metrics = _metrics(model, train, val, test)

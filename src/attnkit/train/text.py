@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from attnkit.distributed.ddp import current_env, prepare_fit
+from attnkit.distributed.ddp import current_env, fit_on_ranks
 from attnkit.models.classifiers import (
     PretrainedTextClassifier,
     TextAttentionClassifier,
@@ -39,7 +39,7 @@ from attnkit.train.checkpoint import (
     start_run,
 )
 from attnkit.train.data import RT_LABELS, TextData, Vocab, load_rotten_tomatoes
-from attnkit.train.loop import TrainConfig, default_optimizer, evaluate, fit
+from attnkit.train.loop import TrainConfig, default_optimizer, evaluate
 
 __all__ = ["PRETRAINED_TRAIN", "SCRATCH_TRAIN", "baseline_tfidf", "train_text"]
 
@@ -285,19 +285,17 @@ def train_text(
     model = _build(variant, config, seed)
     train, val, test = sets
     make_optimizer = default_optimizer if variant == "scratch" else pretrained_optimizer
-    # Data parallel through fit's seams (a no-op on one process): attnkit.distributed.ddp.
-    fit_model, fit_config, fit_kwargs = prepare_fit(
-        model, train_config, env, make_optimizer=make_optimizer
-    )
-    result = fit(
-        fit_model,
+    # Data parallel (a no-op on one process): attnkit.distributed.ddp.
+    result = fit_on_ranks(
+        model,
         train,
         val,
-        fit_config,
+        train_config,
+        env,
         out_dir=out,
         resume=resume,
-        progress=progress if env.is_main else False,
-        **fit_kwargs,
+        progress=progress,
+        make_optimizer=make_optimizer,
     )
     # Validation accuracy of the kept epoch is already known (same weights, eval mode); the
     # pretrained model's train accuracy is measured on the first TRAIN_EVAL snippets (a full
