@@ -229,3 +229,45 @@ def test_auto_routes_functions_to_tiled_and_plain_calls_to_torch() -> None:
     slope = torch.tensor(0.1, requires_grad=True)
     call = make_call(q, k, v, bias=lambda b, h, i, j: -slope * (i - j).abs())
     assert select_backend("auto", call).name == "torch"
+
+
+def test_underflowing_slices_are_skipped_without_changing_the_result(monkeypatch) -> None:
+    """Steep ALiBi heads: distant tiles' weights all underflow, so ``needed`` drops those key
+    heads; output and gradients still equal the float64 reference (GQA, b=2)."""
+    from attnkit.backends import tiled
+
+    calls: list[tuple[int, int]] = []  # (key heads needed, key heads)
+    original = tiled._Tiles.needed
+
+    def spy(self, q_norm, k_norm, bias, floor):
+        heads = original(self, q_norm, k_norm, bias, floor)
+        total = len(q_norm) // self.nb
+        calls.append((total if heads is None else heads[1] - heads[0], total))
+        return heads
+
+    monkeypatch.setattr(tiled._Tiles, "needed", spy)
+
+    def steep_pair(b, h, i, j):  # heads 0-1 (key head 0) steep enough to underflow, 2-3 not
+        return -torch.where(h < 2, 16.0, 0.125) * (i - j).abs()
+
+    def all_steep(b, h, i, j):
+        return -16.0 * (i - j).abs()
+
+    i, j = 300, 257
+    for fn, partly, whole in ((steep_pair, True, False), (all_steep, False, True)):
+        calls.clear()
+        q, k, v = (t.requires_grad_() for t in _qkv(i, j))
+        results = []
+        for backend in ("math", "tiled"):
+            if backend == "tiled":
+                out = tiled_attention(q, k, v, bias_fn=fn, block_q=32, block_k=32)
+            else:
+                dense = masks.materialize(fn, (1, 4, i, j))
+                out = scaled_dot_product_attention(q, k, v, bias=dense, backend="math")
+            weight = torch.linspace(-1, 1, out.numel(), dtype=F64).view_as(out)
+            results.append((out, *torch.autograd.grad((out * weight).sum(), (q, k, v))))
+        for a, b_, what in zip(*results, ("out", "dq", "dk", "dv"), strict=True):
+            torch.testing.assert_close(b_, a, atol=1e-12, rtol=1e-10, msg=f"{fn.__name__}: {what}")
+        assert any(0 < need < total for need, total in calls) == partly, fn.__name__
+        assert any(need == 0 for need, _ in calls) == whole, fn.__name__
+        assert any(need == total for need, total in calls), fn.__name__  # the diagonal tiles
