@@ -1,11 +1,11 @@
 """Iris: does any training recipe lift the attention classifier to the brief's 96 %?
 
-Trains the 64/4/2 classifier (``attnkit.train.iris``) on seeds 0-9 under several training
+Trains the 64/4/2 classifier (``attnkit.train.iris``) on seeds 0-59 under several training
 recipes and prints, for each, the test errors per seed (30 test flowers each) and the mean test
 accuracy, next to logistic regression and linear discriminant analysis fitted on the same
 training flowers. Writes the section "iris-recipes" of docs/benchmarks.md.
 
-    python benchmarks/iris_recipes.py             # 10 seeds, 2 worker processes (~5 min)
+    python benchmarks/iris_recipes.py             # seeds 0-59, 2 worker processes (~15 min)
     python benchmarks/iris_recipes.py --seeds 0 1 --no-write
 """
 
@@ -24,24 +24,15 @@ from _report import environment, write_section
 
 # name -> (changes to IRIS_TRAIN, changes to TabularConfig)
 RECIPES: dict[str, tuple[dict, dict]] = {
-    "default (IRIS_TRAIN)": ({}, {}),
-    "select on val loss, lr 3e-3, 200 epochs": (
-        {"lr": 3e-3, "epochs": 200, "patience": 50, "monitor": "val_loss"},
-        {},
-    ),
-    "no early stop, 300 epochs, best val loss": (
-        {"epochs": 300, "patience": 0, "monitor": "val_loss"},
-        {},
-    ),
-    "no dropout, weight decay 0.01, lr 2e-3": (
-        {"lr": 2e-3, "epochs": 200, "patience": 0, "monitor": "val_loss", "weight_decay": 0.01},
-        {"dropout": 0.0},
-    ),
-    "full batch (90), lr 3e-3, 300 epochs": (
-        {"batch_size": 90, "lr": 3e-3, "epochs": 300, "patience": 100, "monitor": "val_loss"},
-        {},
+    "default (IRIS_TRAIN, b_f init x3, 200 epochs, patience 50)": ({}, {}),
+    "b_f init x1": ({}, {"feature_bias_init": 1.0}),
+    "100 epochs, patience 30": ({"epochs": 100, "patience": 30}, {}),
+    "previous default (b_f init x1, 100 epochs, patience 30)": (
+        {"epochs": 100, "patience": 30},
+        {"feature_bias_init": 1.0},
     ),
 }
+DEFAULT = next(iter(RECIPES))
 
 
 def _run(job: tuple[str, int]) -> tuple[str, int, int, float]:
@@ -80,9 +71,25 @@ def _references(seeds: list[int]) -> dict[str, list[int]]:
     return errors
 
 
+def _seed_list(seeds: list[int]) -> str:
+    if seeds == list(range(seeds[0], seeds[-1] + 1)) and len(seeds) > 2:
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
+def _accuracy(errors: list[int], n_test: int) -> float:
+    return 100 * (1 - statistics.mean(errors) / n_test)
+
+
+def _groups(errors: list[int], n_test: int) -> str:
+    """How many consecutive groups of 5 seeds (the issue's 5-seed mean) reach 96 %."""
+    groups = [errors[a : a + 5] for a in range(0, len(errors) - 4, 5)]
+    return f"{sum(_accuracy(g, n_test) >= 96 for g in groups)} of {len(groups)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(60)))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
@@ -100,29 +107,31 @@ def main(argv: list[str] | None = None) -> int:
         seconds[name].append(secs)
     n_test = 30
     lines = [
-        "| recipe | test errors per seed (of 30) | mean test % | s per seed |",
-        "|---|---|---:|---:|",
+        "| recipe | test errors per seed (of 30) | mean test % | first 5 seeds % | "
+        "5-seed groups >= 96 % | s per seed |",
+        "|---|---|---:|---:|---:|---:|",
     ]
-    for name in RECIPES:
-        acc = 100 * (1 - statistics.mean(errors[name]) / n_test)
+    rows = [(name, errors[name], f"{statistics.mean(seconds[name]):.1f}") for name in RECIPES]
+    rows += [
+        (f"{name} (scikit-learn, reference)", errs, "-")
+        for name, errs in _references(args.seeds).items()
+    ]
+    for name, errs, secs in rows:
         lines.append(
-            f"| {name} | {' '.join(map(str, errors[name]))} | {acc:.1f} | "
-            f"{statistics.mean(seconds[name]):.1f} |"
-        )
-    for name, errs in _references(args.seeds).items():
-        acc = 100 * (1 - statistics.mean(errs) / n_test)
-        lines.append(
-            f"| {name} (scikit-learn, reference) | {' '.join(map(str, errs))} | {acc:.1f} | - |"
+            f"| {name} | {' '.join(map(str, errs))} | {_accuracy(errs, n_test):.1f} | "
+            f"{_accuracy(errs[:5], n_test):.1f} | {_groups(errs, n_test)} | {secs} |"
         )
     took = (time.perf_counter() - started) / 60
     cmd = "python benchmarks/iris_recipes.py"
-    if args.seeds != list(range(10)):
+    if args.seeds != list(range(60)):
         cmd += " --seeds " + " ".join(map(str, args.seeds))
     md = (
         "## Iris: training recipes against the 96 % target\n\n"
         f"`{cmd}` ({environment()}, {args.workers} worker processes; {took:.1f} min). The 64/4/2 "
-        f"classifier on seeds {', '.join(map(str, args.seeds))} (60/20/20 split, 30 test flowers "
-        "each) under each recipe; the references are fitted on the same 90 training flowers.\n\n"
+        f"classifier on seeds {_seed_list(args.seeds)} (60/20/20 split, 30 test flowers each) "
+        "under each recipe; the references are fitted on the same 90 training flowers. The "
+        "issue's target is a mean of at least 96 % over 5 seeds: the last columns give it for "
+        "the first 5 seeds and count the consecutive groups of 5 seeds that reach it.\n\n"
         + "\n".join(lines)
         + "\n"
     )

@@ -23,12 +23,12 @@ def test_default_recipe_reproduces_train_iris() -> None:
 
     threads = torch.get_num_threads()
     try:
-        name, seed, errors, _ = bench._run(("default (IRIS_TRAIN)", 1))
+        name, seed, errors, _ = bench._run((bench.DEFAULT, 1))
         torch.set_num_threads(1)
         metrics = train_iris(seed=1, progress=False)
     finally:
         torch.set_num_threads(threads)
-    assert (name, seed) == ("default (IRIS_TRAIN)", 1)
+    assert (name, seed) == (bench.DEFAULT, 1)
     assert errors == round((1 - metrics["test_accuracy"]) * 30)
 
 
@@ -39,3 +39,11 @@ def test_references_count_errors_on_the_same_split() -> None:
         "logistic regression": [2, 4],
         "linear discriminant analysis": [1, 3],
     }
+
+
+def test_five_seed_groups_and_seed_lists() -> None:
+    assert bench._accuracy([0, 3], 30) == 95.0
+    assert bench._groups([0, 0, 1, 2, 4, 1, 1, 1, 1, 1, 0], 30) == "1 of 2"  # 95.3 %, 96.7 %
+    assert bench._groups([3, 0, 0, 1, 3], 30) == "0 of 1"  # 95.3 %
+    assert bench._seed_list(list(range(5, 60))) == "5-59"
+    assert bench._seed_list([0, 2]) == "0, 2"

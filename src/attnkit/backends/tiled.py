@@ -83,7 +83,7 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453  # ln(2): log(x) = log2(x) * ln(2)
 BLOCK_Q = 128  # 128 x 512 tiles beat 512 x 512 by 5-25 % on 2 cores (L2-sized score tiles)
 # With a bias, 512-row blocks: the per-tile bias work and the skipping of underflowing heads
-# (``_Tiles.needed``) amortise better; 5-25 % faster than 128 rows at n = 2048..8192 with ALiBi.
+# (``_Tiles.needed``) amortise better; 9-23 % faster than 128 rows at n = 2048..8192 with ALiBi.
 BLOCK_Q_BIAS = 512
 BLOCK_K = 512
 
