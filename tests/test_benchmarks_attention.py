@@ -32,6 +32,8 @@ def test_targets_met_and_missed() -> None:
         _row("tiled causal", 8192, 1.5, 3.0),  # 0.67x forward: T1 missed
         _row("torch + ALiBi tensor", 8192, 2.0, 6.0, 1000, 4000),
         _row("tiled + ALiBi fn", 8192, 1.5, 5.0, 20, 600),  # faster, but 0.15 memory: missed
+        _row("torch + relative tensor", 8192, 2.0, 6.0, 1000, 4000),
+        _row("tiled + relative fn", 8192, 1.5, 5.5, 20, 400),  # 1.09x, 0.1 memory: met
         _row("torch", 16384, 4.0, 12.0),
         _row("linear", 16384, 0.1, 0.5),  # 40x, 24x: T5 met
         _row("torch + window mask", 16384, 8.0, 24.0),
@@ -42,6 +44,23 @@ def test_targets_met_and_missed() -> None:
     assert t[("tiled", 8192)][1].startswith("T3 met")
     assert t[("tiled causal", 8192)][0].startswith("T1 missed")
     assert t[("tiled + ALiBi fn", 8192)][0].startswith("T2 missed")
+    assert t[("tiled + relative fn", 8192)][0].startswith("T2 met (1.09x speed, memory 0.100")
     assert t[("linear", 16384)][0].startswith("T5 met")
     assert t[("sparse window 256", 16384)][0].startswith("T4 missed")
     assert bench.fits("math", 1, 4096, 6.0) and not bench.fits("math", 1, 16384, 6.0)
+
+
+def test_relative_bucket_function() -> None:
+    import torch
+
+    table = torch.arange(2 * 32, dtype=torch.float32).view(2, 32)  # bias = bucket + 32 * head
+    fn = bench._relative_fn(table)
+    i = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    j = torch.tensor([0, 3, 7, 8, 15, 16, 127, 128, 5000, -1, -8, -16, -5000]).view(1, 1, 1, -1)
+    h = torch.tensor([0, 1]).view(1, 2, 1, 1)
+    got = fn(i, h, i, j)  # (1, 2, 1, 13)
+    # below 8: the distance; then 8 + floor(8 * log(a / 8) / log(16)), capped at 15; keys after
+    # the query (j > i) use the upper 16 buckets
+    want = torch.tensor([0, 19, 23, 24, 25, 26, 31, 31, 31, 1, 8, 10, 15], dtype=torch.float32)
+    torch.testing.assert_close(got[0, 0, 0], want)
+    torch.testing.assert_close(got[0, 1, 0], want + 32)
