@@ -160,6 +160,7 @@ class _Tiles:
         self.nb, self.h, self.ni, _ = q.shape
         self.nj = k.shape[2]
         self.g = self.h // k.shape[1]
+        self.hk = k.shape[1]  # key heads
         self.dtype = _compute_dtype(q.dtype)
         self.blocked = _blocked(self.dtype)
         self.underflow = math.log2(torch.finfo(self.dtype).tiny)  # -126 (float32), -1022 (64)
@@ -271,7 +272,7 @@ class _Tiles:
 
     def needed(
         self, q_norm: Tensor, k_norm: Tensor, bias: Tensor, floor: Tensor
-    ) -> tuple[int, int] | None:
+    ) -> tuple[int, int]:
         """The key heads ``[lo, hi)`` of a tile that can hold a weight that does not underflow.
 
         A logit is at most ``|q2_i| |k_j| + bias_ij`` (Cauchy-Schwarz, base 2). Where that bound
@@ -283,18 +284,16 @@ class _Tiles:
         some that are not: computing those changes nothing), so it is a view, never a gather.
 
         ``q_norm`` ``(b * h_kv, rows)``, ``k_norm`` ``(b * h_kv, bj)`` of the tile's keys,
-        ``bias`` as returned by ``bias``, ``floor`` ``(b * h_kv, rows)``. Returns None when every
-        head is needed, else ``(lo, hi)`` (``lo == hi``: none).
+        ``bias`` as returned by ``bias``, ``floor`` ``(b * h_kv, rows)``. Returns ``(lo, hi)``:
+        ``(0, h_kv)`` when every head is needed, ``lo == hi`` when none is.
         """
         bh, rows = q_norm.shape
-        hk = bh // self.nb
+        hk = self.hk
         top = bias.amax(dim=-1).mul_(LOG2E)  # (b?, h_kv?, rows?) largest bias per row
         top = top.expand(self.nb, hk, rows).reshape(bh, rows)
         bound = torch.addcmul(top, q_norm, k_norm.amax(dim=-1, keepdim=True)).add_(1.0)
         need = ~(bound < floor + self.underflow).all(dim=-1)  # (b * h_kv,); NaN: needed
         heads = need.view(self.nb, hk).any(dim=0).nonzero().flatten().tolist()
-        if len(heads) == hk:
-            return None
         return (heads[0], heads[-1] + 1) if heads else (0, 0)
 
     def order(self, i0: int, i1: int) -> list[tuple[slice | Tensor, bool | None]]:
@@ -349,14 +348,24 @@ def _unflat(t: Tensor, nb: int) -> Tensor:
 
 
 def _heads(t: Tensor, nb: int, lo: int, hi: int) -> Tensor:
-    """Heads ``[lo, hi)`` of a ``(b * h, ...)`` tensor, as ``(b * (hi - lo), ...)`` (a view for
-    b = 1, else a copy)."""
+    """Heads ``[lo, hi)`` of a ``(b * h, ...)`` tensor, as ``(b * (hi - lo), ...)``: a view for
+    b = 1 or all heads, else a copy."""
     return _unflat(t, nb)[:, lo:hi].flatten(0, 1)
 
 
-def _head_tile(t: Tensor, lo: int, hi: int) -> Tensor:
-    """Heads ``[lo, hi)`` of a tile broadcastable to ``(b, h, r, c)`` (a view)."""
-    return t if t.shape[1] == 1 else t[:, lo:hi]
+def _head_tile(t: Tensor | None, lo: int, hi: int) -> Tensor | None:
+    """Heads ``[lo, hi)`` of a tile broadcastable to ``(b, h, r, c)`` (a view), or None."""
+    return t if t is None or t.shape[1] == 1 else t[:, lo:hi]
+
+
+def _add_keys(dst: Tensor, sel: slice | Tensor, nb: int, lo: int, hi: int, value: Tensor) -> None:
+    """``dst[(batch, heads lo:hi), keys sel] += value`` for ``dst`` ``(b * h, j, d)`` and
+    ``value`` ``(b * (hi - lo), len(sel), d)``; ``sel`` a slice or an index tensor."""
+    rows = _unflat(dst, nb)[:, lo:hi]  # a view
+    if isinstance(sel, slice):
+        rows[:, :, sel].add_(_unflat(value, nb))
+    else:
+        rows.index_add_(2, sel, _unflat(value, nb))
 
 
 # The block step, public for ring attention.
@@ -472,7 +481,7 @@ def _online_step(
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, spec: _Spec) -> tuple[Tensor, Tensor]:
     tiles = _Tiles(spec, q, k)
-    g, dtype, blocked = tiles.g, tiles.dtype, tiles.blocked
+    g, dtype, blocked, nb = tiles.g, tiles.dtype, tiles.blocked, tiles.nb
     q_r = _flat(_rows(q.to(dtype), g))  # (b * h_kv, i * g, d)
     k, v = _flat(k.to(dtype)), _flat(v.to(dtype))  # (b * h_kv, j, d)
     bh, rows = q_r.shape[:2]
@@ -493,23 +502,20 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, spec: _Spec) -> tuple[Tensor, Tens
                 continue  # a tile that evaluates all blocked costs nothing more
             bias = tiles.bias(i0, i1, sel)
             k_t, v_t = _keys(k, sel), _keys(v, sel)
-            heads = None
+            lo, hi = 0, tiles.hk  # the key heads to compute: all, unless some underflow
             if tiles.can_skip(allowed, bias, sel):
-                heads = tiles.needed(q_norm, _keys(k_norm, sel), bias, m)
-            if heads is None:
-                s = tiles.logits(q_blk, k_t, allowed, bias)
-                m, l, acc = _online_step(tiles, s, v_t, m, l, acc)
-            elif heads[0] < heads[1]:  # only key heads [lo, hi): update those in place
-                nb, (lo, hi) = tiles.nb, heads
-                part = [_heads(t, nb, lo, hi) for t in (q_blk, k_t, v_t, m, l, acc)]
-                s = tiles.logits(part[0], part[1], None, _head_tile(bias, lo, hi))
-                new = _online_step(tiles, s, *part[2:])
-                for old, t in zip((m, l, acc), new, strict=True):
-                    _unflat(old, nb)[:, lo:hi].copy_(_unflat(t, nb))
+                lo, hi = tiles.needed(q_norm, _keys(k_norm, sel), bias, m)
+            if lo == hi:
+                continue
+            part = [_heads(t, nb, lo, hi) for t in (q_blk, k_t, v_t, m, l, acc)]  # views if all
+            s = tiles.logits(part[0], part[1], allowed, _head_tile(bias, lo, hi))
+            new = _online_step(tiles, s, *part[2:])
+            for old, t in zip((m, l, acc), new, strict=True):
+                _unflat(old, nb)[:, lo:hi].copy_(_unflat(t, nb))
         seen = m > blocked  # rows with at least one visible key
         out[:, r0:r1] = torch.where(seen.unsqueeze(-1), acc / l.clamp_min(1e-30).unsqueeze(-1), 0)
         lse[:, r0:r1] = torch.where(seen, (m + torch.log2(l.clamp_min(1e-30))) * LN2, blocked)
-    out4, lse4 = _unflat(out, tiles.nb), _unflat(lse.unsqueeze(-1), tiles.nb)
+    out4, lse4 = _unflat(out, nb), _unflat(lse.unsqueeze(-1), nb)
     return _unrows(out4, g), _unrows(lse4, g).squeeze(-1)
 
 
@@ -560,37 +566,21 @@ def _backward(
                 continue
             bias = tiles.bias(i0, i1, sel)
             k_t, v_t = _keys(k, sel), _keys(v, sel)
-            heads = None
+            lo, hi = 0, tiles.hk  # the key heads to compute: all, unless some underflow
             if dbias is None and tiles.can_skip(allowed, bias, sel):
-                heads = tiles.needed(q_norm, _keys(k_norm, sel), bias, lse2[:, r0:r1])
-            if heads is not None:  # only key heads [lo, hi): their gradients, added in place
-                nb, (lo, hi) = tiles.nb, heads
-                if lo == hi:
-                    continue
-                q_h, q2_h, do_h, k_h, v_h = (
-                    _heads(t, nb, lo, hi) for t in (q_blk, q2_blk, do_blk, k_t, v_t)
-                )
-                s = tiles.logits(q2_h, k_h, None, _head_tile(bias, lo, hi))
-                p = tiles.exp2_shifted(s, _heads(lse2[:, r0:r1], nb, lo, hi))
-                dp = torch.bmm(do_h, v_h.transpose(1, 2))
-                ds = dp.sub_(_heads(delta, nb, lo, hi)).mul_(p)
-                _unflat(dq_blk, nb)[:, lo:hi].add_(_unflat(torch.bmm(ds, k_h), nb))
-                dv_t = torch.bmm(p.transpose(1, 2), do_h)
-                _unflat(dv, nb)[:, lo:hi, sel].add_(_unflat(dv_t, nb))
-                dk_t = torch.bmm(ds.transpose(1, 2), q_h)
-                _unflat(dk, nb)[:, lo:hi, sel].add_(_unflat(dk_t, nb))
+                lo, hi = tiles.needed(q_norm, _keys(k_norm, sel), bias, lse2[:, r0:r1])
+            if lo == hi:
                 continue
-            s = tiles.logits(q2_blk, k_t, allowed, bias)
-            p = tiles.exp2_shifted(s, lse2[:, r0:r1])  # probabilities, recomputed
-            dp = torch.bmm(do_blk, v_t.transpose(1, 2))  # (b * h_kv, rows, bj)
-            ds = dp.sub_(delta).mul_(p)  # d loss / d scores
-            dq_blk.add_(torch.bmm(ds, k_t))
-            if isinstance(sel, slice):
-                dv[:, sel].add_(torch.bmm(p.transpose(1, 2), do_blk))
-                dk[:, sel].add_(torch.bmm(ds.transpose(1, 2), q_blk))
-            else:
-                dv.index_add_(1, sel, torch.bmm(p.transpose(1, 2), do_blk))
-                dk.index_add_(1, sel, torch.bmm(ds.transpose(1, 2), q_blk))
+            q_h, q2_h, do_h, k_h, v_h = (
+                _heads(t, nb, lo, hi) for t in (q_blk, q2_blk, do_blk, k_t, v_t)
+            )  # views when all heads are computed
+            s = tiles.logits(q2_h, k_h, allowed, _head_tile(bias, lo, hi))
+            p = tiles.exp2_shifted(s, _heads(lse2[:, r0:r1], nb, lo, hi))  # recomputed
+            dp = torch.bmm(do_h, v_h.transpose(1, 2))  # (b * heads, rows, bj)
+            ds = dp.sub_(_heads(delta, nb, lo, hi)).mul_(p)  # d loss / d scores
+            _unflat(dq_blk, nb)[:, lo:hi].add_(_unflat(torch.bmm(ds, k_h), nb))
+            _add_keys(dv, sel, nb, lo, hi, torch.bmm(p.transpose(1, 2), do_h))
+            _add_keys(dk, sel, nb, lo, hi, torch.bmm(ds.transpose(1, 2), q_h))
             if dbias is not None:
                 tile = _sum_to(_untile_rows(_unflat(ds, nb), g), dbias.shape)  # (b?, h?, bi?, bj?)
                 rows = slice(i0, i1) if dbias.shape[2] != 1 else slice(None)
