@@ -9,10 +9,13 @@ median forward and forward+backward time and the peak extra memory of:
                            built inside the timed call (a user must build it)
     torch + window mask    the fused kernel given a dense sliding-window mask (256 keys)
     tiled / tiled causal   attnkit's tiled backend (FlashAttention in PyTorch)
-    tiled + ALiBi fn       the tiled backend given ALiBi as a bias *function* (never n x n)
+    tiled + ALiBi fn       the tiled backend given ALiBi as a bias *function* (never n x n),
+                           declared relative (``structure.relative``): evaluated once per pass
     torch + relative tensor / tiled + relative fn
                            the same pair for a T5-style relative-position bucket bias (a
-                           learned-looking table per head, log-spaced buckets: never underflows)
+                           learned-looking table per head, log-spaced buckets: never underflows),
+                           also declared relative; the dense tensor is built from the same
+                           function with ``masks.materialize``
     sparse window 256      the sparse backend, causal sliding window of 256 keys
     chunked                query-chunked exact attention (checkpointed in backward)
     linear / linear causal kernelised linear attention (a different attention, for scale)
@@ -97,10 +100,12 @@ def flops(method: str, b: int, n: int, mode: str) -> float | None:
 
 
 def _alibi_fn(slopes):
+    from attnkit.backends.structure import relative
+
     def alibi(b, h, i, j):  # ALiBi (Press et al. 2022), symmetric: -slope_h * |i - j|
         return -slopes[h] * (i - j).abs()
 
-    return alibi
+    return relative(alibi)  # depends on j - i only: tiled evaluates it once per call
 
 
 def _relative_fn(table):
@@ -116,6 +121,7 @@ def _relative_fn(table):
         far = 8 + (torch.log(a.clamp(min=1).float() / 8) / math.log(16) * 8).long().clamp(max=7)
         return table[h, torch.where(a < 8, a, far) + (d > 0).long() * 16]
 
+    relative.relative = True  # depends on j - i only (attnkit.backends.structure.relative)
     return relative
 
 

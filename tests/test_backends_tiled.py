@@ -10,7 +10,14 @@ import torch
 
 from attnkit import masks, scaled_dot_product_attention
 from attnkit.backends import BackendUnavailable
-from attnkit.backends.structure import all_of, key_ranges, tile_state, with_structure
+from attnkit.backends.structure import (
+    all_of,
+    is_relative,
+    key_ranges,
+    relative,
+    tile_state,
+    with_structure,
+)
 from attnkit.backends.tiled import backward_blocks, forward_blocks, merge, tiled_attention
 
 F64 = torch.float64
@@ -28,6 +35,23 @@ def _alibi(b, h, i, j):  # ALiBi (Press et al. 2022): a per-head linear distance
     return -(2.0 ** (-(h + 1.0))) * (i - j).abs()
 
 
+def _relative_alibi(b, h, i, j):  # the same values, declared relative: evaluated once per call
+    return _alibi(b, h, i, j)
+
+
+relative(_relative_alibi)
+
+
+def _buckets(b, h, i, j):  # T5-style: exact distances below 4, then log-spaced, per direction
+    d = j - i
+    a = d.abs()
+    far = 4 + (torch.log(a.clamp(min=1).double() / 4) / 0.7).long().clamp(max=3)
+    return torch.sin(1.0 + h + 3.0 * torch.where(a < 4, a, far) + 0.5 * (d > 0).double())
+
+
+_relative_buckets = relative(lambda b, h, i, j: _buckets(b, h, i, j))
+
+
 def _cases(i: int, j: int) -> dict[str, dict]:
     g = torch.Generator().manual_seed(7)
     dense = torch.rand(2, 1, i, j, generator=g) > 0.6
@@ -38,6 +62,13 @@ def _cases(i: int, j: int) -> dict[str, dict]:
         "causal top-left": {"mask": masks.causal_fn(0)},
         "window fn": {"mask": masks.window_fn(5, 2, j - i)},
         "alibi fn": {"bias": _alibi, "is_causal": True},
+        "relative alibi fn": {"bias": _relative_alibi, "is_causal": True},
+        "relative buckets, top-left": {"bias": _relative_buckets, "mask": masks.causal_fn(0)},
+        "relative fn and dense mask": {"bias": _relative_buckets, "mask": dense},
+        "relative fn and unstructured fn": {
+            "bias": _relative_buckets,
+            "mask": lambda b, h, i, j: (i * 7 + j * 3 + b) % 5 != 0,
+        },
         "dense mask and bias": {
             "mask": dense,
             "bias": torch.randn(1, 4, i, j, dtype=F64, generator=g),
@@ -76,6 +107,8 @@ def test_small_tiles_and_gradcheck() -> None:
     for kw in (
         {"is_causal": True},
         {"mask_fn": masks.window_fn(3, 1, 2), "bias_fn": lambda b, h, i, j: 0.3 * (j - i)},
+        {"mask_fn": masks.window_fn(3, 1, 2), "bias_fn": _relative_buckets},
+        {"bias_fn": _relative_alibi, "is_causal": True},
     ):
         assert torch.autograd.gradcheck(
             lambda q, k, v, kw=kw: tiled_attention(q, k, v, block_q=3, block_k=4, **kw), (q, k, v)
@@ -156,8 +189,8 @@ def test_structure_protocol_skips_tiles_without_evaluating() -> None:
     assert len(calls) == 4  # only the 4 diagonal tiles of 16 were evaluated
 
 
-@pytest.mark.parametrize("n_shards", [2, 3])
-def test_block_step_over_key_shards_equals_whole_attention(n_shards: int) -> None:
+@pytest.mark.parametrize(("n_shards", "bias_fn"), [(2, _alibi), (3, _alibi), (3, _relative_alibi)])
+def test_block_step_over_key_shards_equals_whole_attention(n_shards: int, bias_fn) -> None:
     """What ring attention does: forward_blocks per K/V shard with global offsets, merge,
     then backward_blocks per shard with the global out and lse."""
     q, k, v = _qkv(37, 37)
@@ -167,13 +200,13 @@ def test_block_step_over_key_shards_equals_whole_attention(n_shards: int) -> Non
     out = lse = None
     for a, b in itertools.pairwise(bounds):
         o, l = forward_blocks(
-            q, k[:, :, a:b], v[:, :, a:b], scale=0.3, mask_fn=causal, bias_fn=_alibi,
+            q, k[:, :, a:b], v[:, :, a:b], scale=0.3, mask_fn=causal, bias_fn=bias_fn,
             q_offset=q_off, k_offset=a, block_q=8, block_k=8,
         )  # fmt: skip
         out, lse = (o, l) if out is None else merge(out, lse, o, l)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     ref = scaled_dot_product_attention(
-        qr, kr, vr, bias=_alibi, mask=causal, scale=0.3, backend="math"
+        qr, kr, vr, bias=bias_fn, mask=causal, scale=0.3, backend="math"
     )
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
     grad = torch.randn_like(ref)
@@ -183,7 +216,7 @@ def test_block_step_over_key_shards_equals_whole_attention(n_shards: int) -> Non
     for a, b in itertools.pairwise(bounds):
         gq, gk, gv = backward_blocks(
             q, k[:, :, a:b], v[:, :, a:b], out, lse, grad, scale=0.3, mask_fn=causal,
-            bias_fn=_alibi, k_offset=a, block_q=8, block_k=8,
+            bias_fn=bias_fn, k_offset=a, block_q=8, block_k=8,
         )  # fmt: skip
         dq += gq
         dks.append(gk)
@@ -253,8 +286,16 @@ def test_underflowing_slices_are_skipped_without_changing_the_result(monkeypatch
     def all_steep(b, h, i, j):
         return -16.0 * (i - j).abs()
 
+    def declared(fn):  # the same function, declared relative (row maxima from the offsets)
+        return relative(lambda b, h, i, j: fn(b, h, i, j))
+
     i, j = 300, 257
-    for fn, partly, whole in ((steep_pair, True, False), (all_steep, False, True)):
+    for fn, partly, whole in (
+        (steep_pair, True, False),
+        (all_steep, False, True),
+        (declared(steep_pair), True, False),
+        (declared(all_steep), False, True),
+    ):
         calls.clear()
         q, k, v = (t.requires_grad_() for t in _qkv(i, j))
         results = []
@@ -271,3 +312,54 @@ def test_underflowing_slices_are_skipped_without_changing_the_result(monkeypatch
         assert any(0 < need < total for need, total in calls) == partly, fn.__name__
         assert any(need == 0 for need, _ in calls) == whole, fn.__name__
         assert any(need == total for need, total in calls), fn.__name__  # the diagonal tiles
+
+
+def test_relative_bias_function_is_evaluated_once_per_pass() -> None:
+    """Declared relative: one evaluation on the i + j - 1 offsets for the forward and one for
+    the backward, whatever the number of tiles; undeclared: one per tile and pass. Same values."""
+    seen: list[tuple[int, ...]] = []
+
+    def counted(b, h, i, j):
+        seen.append(tuple(torch.broadcast_shapes(b.shape, h.shape, i.shape, j.shape)))
+        return _buckets(b, h, i, j)
+
+    results = []
+    for fn in (counted, relative(lambda b, h, i, j: counted(b, h, i, j))):
+        seen.clear()
+        q, k, v = (t.requires_grad_() for t in _qkv(70, 45))
+        out = tiled_attention(q, k, v, bias_fn=fn, block_q=16, block_k=16)
+        results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+        if is_relative(fn):
+            assert seen == [(1, 4, 1, 70 + 45 - 1)] * 2
+        else:
+            assert len(seen) == 2 * 5 * 3  # 5 query blocks x 3 key tiles, forward and backward
+    for a, b_ in zip(*results, strict=True):
+        torch.testing.assert_close(b_, a, atol=1e-12, rtol=1e-10)
+    assert not is_relative(counted) and not is_relative(None)
+
+
+def test_sliding_max_equals_brute_force() -> None:
+    from attnkit.backends.tiled import _sliding_max
+
+    t = torch.randn(3, 50, dtype=F64, generator=torch.Generator().manual_seed(3))
+    for w in (1, 2, 7, 10, 49, 50):
+        want = torch.stack([t[:, y : y + w].amax(dim=-1) for y in range(50 - w + 1)], dim=-1)
+        assert torch.equal(_sliding_max(t, w), want), w
+
+
+def test_relative_bias_function_of_the_wrong_shape_is_named() -> None:
+    q, k, v = _qkv(9, 9)
+    bad = relative(lambda b, h, i, j: torch.zeros(3, 2, dtype=F64))
+    match = r"bias_fn is declared relative but returned shape \(3, 2\)"
+    with pytest.raises(ValueError, match=match):
+        tiled_attention(q, k, v, bias_fn=bad)
+
+
+def test_odd_batches_are_split_without_changing_the_product() -> None:
+    from attnkit.backends.tiled import _bmm
+
+    g = torch.Generator().manual_seed(4)
+    for n in (1, 2, 3, 5):
+        a = torch.randn(n, 6, 4, dtype=F64, generator=g)
+        b = torch.randn(n, 5, 4, dtype=F64, generator=g).transpose(1, 2)
+        torch.testing.assert_close(_bmm(a, b), torch.bmm(a, b), atol=1e-14, rtol=0)

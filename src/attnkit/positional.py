@@ -187,10 +187,11 @@ def alibi_fn(num_heads: int, offset: int = 0) -> BiasFn:
     """ALiBi as a bias function ``fn(b, h, i, j) = -slope[h] * |i + offset - j|``.
 
     ``offset`` is the position of query 0 among the keys: ``j - i`` (bottom-right, what a KV
-    cache needs: the new queries are the last positions). Block-wise backends evaluate it one tile
-    at a time, so no ``(i, j)`` tensor is built. In causal attention only ``j <= i + offset`` is
-    ever used, which is the paper's ``-m (i - j)``; the absolute value extends it symmetrically to
-    bidirectional encoders.
+    cache needs: the new queries are the last positions). No ``(i, j)`` tensor is built: it is
+    declared ``relative`` (``backends.structure``), so the tiled backend evaluates it once per
+    call on the ``n_i + n_j - 1`` offsets and reads each tile as a view of them. In causal
+    attention only ``j <= i + offset`` is ever used, which is the paper's ``-m (i - j)``; the
+    absolute value extends it symmetrically to bidirectional encoders.
     """
     slopes = alibi_slopes(num_heads)
     cache: dict[torch.device, Tensor] = {}
@@ -204,6 +205,7 @@ def alibi_fn(num_heads: int, offset: int = 0) -> BiasFn:
 
     alibi.alibi_slopes = slopes  # type: ignore[attr-defined]
     alibi.alibi_offset = offset  # type: ignore[attr-defined]
+    alibi.relative = True  # type: ignore[attr-defined]  # depends on j - i only (structure.relative)
     return alibi
 
 

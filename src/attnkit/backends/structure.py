@@ -20,6 +20,13 @@ Both must hold for every batch and head (structure never depends on ``b`` or ``h
 nothing: ``masks.causal_fn`` and ``masks.window_fn`` are recognised by the ``causal_offset`` and
 ``window`` attributes they carry, and ``all_of`` combines functions keeping their structure.
 Everything here is plain Python on integers: it costs nothing next to a tile's matmul.
+
+Bias functions have one structure to declare: ``relative(fn)`` (sets ``fn.relative = True``)
+promises that ``fn(b, h, i, j)`` depends only on the head ``h`` and the offset ``j - i`` (ALiBi,
+T5-style relative buckets; ``positional.alibi_fn`` declares it). The ``tiled`` backend then
+evaluates it once per call on the ``n_i + n_j - 1`` offsets instead of once per tile, and reads
+each tile as a strided view of that row (a Hankel view: query rows in reverse order). Declaring it
+for a function that also depends on ``b`` or on absolute positions gives wrong results.
 """
 
 from __future__ import annotations
@@ -28,9 +35,9 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from attnkit.masks import MaskFn
+from attnkit.masks import BiasFn, MaskFn
 
-__all__ = ["all_of", "key_ranges", "tile_state", "with_structure"]
+__all__ = ["all_of", "is_relative", "key_ranges", "relative", "tile_state", "with_structure"]
 
 TileFn = Callable[[int, int, int, int], "bool | None"]
 RangesFn = Callable[[int, int, int, int], list[tuple[int, int]]]
@@ -45,6 +52,18 @@ def with_structure(
     if key_ranges is not None:
         fn.key_ranges = key_ranges  # type: ignore[attr-defined]
     return fn
+
+
+def relative(fn: BiasFn) -> BiasFn:
+    """Declare that the bias function ``fn(b, h, i, j)`` depends only on ``h`` and ``j - i``;
+    returns it (see the module docstring)."""
+    fn.relative = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_relative(fn: BiasFn | None) -> bool:
+    """Whether ``fn`` declares (``relative``) that it depends only on the head and ``j - i``."""
+    return fn is not None and getattr(fn, "relative", False) is True
 
 
 def _band(fn: MaskFn) -> tuple[int | None, int | None, int] | None:

@@ -31,7 +31,13 @@ a logit is at most ``|q_i| |k_j| * scale + bias_ij`` (Cauchy-Schwarz), so where 
 more than 126 below the row's running maximum (forward, nearest keys visited first) or its
 log-sum-exp (backward) for every row, the slice is skipped, and the result is unchanged (see
 ``_Tiles.needed``). ALiBi's steep heads skip most distant tiles this way.
-Each tile's matmuls are 3-D ``bmm`` calls over the flattened (batch, head) axis.
+Each tile's matmuls are 3-D ``bmm`` calls over the flattened (batch, head) axis (an odd batch
+is split into an even ``bmm`` and one ``mm``, see ``_bmm``).
+
+A bias function declared ``relative`` (``structure.relative``: it depends only on the head and
+``j - i``, as ALiBi and T5 buckets do) is evaluated once per pass on the call's offsets, not per
+tile; each tile's bias is then a strided view of that row, with the query rows of every block
+processed in reverse order so that the view's strides are non-negative (``_Relative``).
 
 Masks and biases: bool tensors and float tensors broadcastable to ``(b, h, i, j)`` are sliced per
 tile; mask and bias *functions* ``fn(b, h, i, j)`` are evaluated per tile. Tiles a mask function
@@ -64,7 +70,7 @@ import torch
 from torch import Tensor
 
 from attnkit.backends.registry import AttentionCall, BackendUnavailable, register_backend
-from attnkit.backends.structure import all_of, key_ranges, tile_state
+from attnkit.backends.structure import all_of, is_relative, key_ranges, tile_state
 from attnkit.masks import BiasFn, MaskFn, causal_fn
 
 __all__ = [
@@ -149,6 +155,80 @@ def _untile_rows(t: Tensor, g: int) -> Tensor:
     return _unrows(t, g)
 
 
+def _flip_queries(x: Tensor, g: int) -> Tensor:
+    """Reverse the query order of a row-layout block ``(n, rows, ...)``, keeping each query's
+    ``g`` rows in order (a copy)."""
+    return x.unflatten(1, (-1, g)).flip(1).flatten(1, 2)
+
+
+def _sliding_max(t: Tensor, w: int) -> Tensor:
+    """``out[..., y] = max(t[..., y : y + w])`` for ``t`` ``(..., L)``: ``(..., L - w + 1)``.
+
+    Van Herk / Gil-Werman: cut ``t`` into blocks of ``w``; a window meets at most two blocks,
+    so it is the max of a suffix maximum of one and a prefix maximum of the next. O(L), not O(L w).
+    """
+    n = t.shape[-1]
+    pad = -n % w
+    blocks = torch.nn.functional.pad(t, (0, pad), value=-math.inf).unflatten(-1, (-1, w))
+    prefix = blocks.cummax(dim=-1).values.flatten(-2)
+    suffix = blocks.flip(-1).cummax(dim=-1).values.flip(-1).flatten(-2)
+    return torch.maximum(suffix[..., : n - w + 1], prefix[..., w - 1 : n])
+
+
+class _Relative:
+    """A bias function declared ``relative`` (``structure.relative``), evaluated once per call.
+
+    Its values on every offset ``x = j - i`` of the call form one row per head,
+    ``table[h, x - x_min]``, ``x_min = (k_offset) - (q_offset + n_i - 1)``. Tile entry
+    ``(i, j)`` is ``table[h, j - i - x_min]``: constant along diagonals (Toeplitz), which no
+    strided view can express (one stride would be negative). With the tile's query rows in
+    *reverse* order (row ``r`` = query ``i1 - 1 - r``) the index becomes ``base + r + c``, a
+    Hankel pattern: a view with strides ``(1, 1)``, added to the scores with no copy.
+    """
+
+    def __init__(self, fn: BiasFn, tiles: _Tiles) -> None:
+        spec, device = tiles.spec, tiles.b_idx.device
+        self.ni, self.g, self.hk = tiles.ni, tiles.g, tiles.hk
+        self.length = tiles.ni + tiles.nj - 1  # offsets x_min .. x_min + length - 1
+        x_min = spec.k_offset - (spec.q_offset + tiles.ni - 1)
+        x = torch.arange(x_min, x_min + self.length, device=device).view(1, 1, 1, -1)
+        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+        values = torch.as_tensor(fn(zero, tiles.h_idx, zero, x))  # fn(0, x) = bias at offset x
+        want = (1, tiles.h, 1, self.length)
+        try:
+            values = values.expand(want)
+        except RuntimeError:
+            raise ValueError(
+                f"bias_fn is declared relative but returned shape {tuple(values.shape)} for "
+                f"(b, h, i, j) = (1, {tiles.h}, 1, {self.length}) offsets; expected a shape "
+                f"broadcastable to {want}"
+            ) from None
+        self.table = values.reshape(tiles.h, self.length).to(tiles.dtype).contiguous()
+        self._maxes: dict[int, Tensor] = {}  # sliding row maxima per tile width
+
+    def _view(self, t: Tensor, i0: int, i1: int, j0: int, cols: tuple[int, ...]) -> Tensor:
+        """``t`` ``(h, width)`` read at ``base + r (+ c)`` for reversed rows ``r`` of queries
+        ``[i0, i1)`` from key ``j0``: shape ``(h_kv, i1 - i0, g, *cols)``."""
+        width, g = t.shape[1], self.g
+        base = j0 + self.ni - i1  # index of (row 0 = query i1 - 1, key j0)
+        size = (self.hk, i1 - i0, g, *cols)
+        stride = (g * width, 1, width, *(1 for _ in cols))
+        return t.as_strided(size, stride, t.storage_offset() + base)
+
+    def tile(self, i0: int, i1: int, j0: int, j1: int) -> Tensor:
+        """The bias of queries ``[i0, i1)`` (rows reversed) x keys ``[j0, j1)``, natural units:
+        a view ``(1, h_kv, i1 - i0, g, j1 - j0)``."""
+        return self._view(self.table, i0, i1, j0, (j1 - j0,)).unsqueeze(0)
+
+    def row_max(self, i0: int, i1: int, j0: int, j1: int) -> Tensor:
+        """The largest bias of each (reversed) row of that tile: ``(1, h_kv, (i1 - i0) * g)``."""
+        w = j1 - j0
+        maxes = self._maxes.get(w)
+        if maxes is None:
+            maxes = self._maxes[w] = _sliding_max(self.table, w)
+        return self._view(maxes, i0, i1, j0, ()).reshape(1, self.hk, -1)
+
+
 # One tile of scores.
 
 
@@ -169,6 +249,17 @@ class _Tiles:
         device = q.device
         self.b_idx = torch.arange(self.nb, device=device).view(-1, 1, 1, 1)
         self.h_idx = torch.arange(self.h, device=device).view(1, -1, 1, 1)
+        # A relative bias function (and no bias tensor) is evaluated once, and query blocks are
+        # then processed with their rows in reverse order (``_Relative``; ``reverse``).
+        self.relative = None
+        if spec.bias is None and is_relative(spec.bias_fn):
+            self.relative = _Relative(spec.bias_fn, self)
+        self.reverse = self.relative is not None
+
+    def queries(self, x: Tensor) -> Tensor:
+        """A row-layout block ``(n, rows, ...)`` in this call's row order: reversed queries
+        when ``reverse`` (its own inverse), else ``x`` itself."""
+        return _flip_queries(x, self.g) if self.reverse else x
 
     def groups(self, i0: int, i1: int) -> list[tuple[slice | Tensor, bool | None]]:
         """Key groups for queries [i0, i1): (slice or index tensor, tile state), local indices."""
@@ -205,7 +296,7 @@ class _Tiles:
     def _slice(self, t: Tensor, i0: int, i1: int, sel: slice | Tensor) -> Tensor:
         """Tile of a tensor broadcastable to (b, h, i, j)."""
         if t.shape[2] != 1:
-            t = t[:, :, i0:i1]
+            t = t[:, :, i0:i1].flip(2) if self.reverse else t[:, :, i0:i1]
         if t.shape[3] != 1:
             t = t[:, :, :, sel] if isinstance(sel, slice) else t.index_select(3, sel)
         return t
@@ -213,7 +304,8 @@ class _Tiles:
     def _positions(self, i0: int, i1: int, sel: slice | Tensor) -> tuple[Tensor, Tensor]:
         device = self.b_idx.device
         qo, ko = self.spec.q_offset, self.spec.k_offset
-        i = torch.arange(i0 + qo, i1 + qo, device=device).view(1, 1, -1, 1)
+        i = torch.arange(i0 + qo, i1 + qo, device=device)
+        i = (i.flip(0) if self.reverse else i).view(1, 1, -1, 1)
         j = torch.arange(sel.start, sel.stop, device=device) if isinstance(sel, slice) else sel
         return i, (j + ko).view(1, 1, 1, -1)
 
@@ -235,8 +327,14 @@ class _Tiles:
         return _tile_rows(allowed, self.g, i1 - i0, bj)
 
     def bias(self, i0: int, i1: int, sel: slice | Tensor) -> Tensor | None:
-        """Float tile (broadcastable, row layout) of the bias, in natural units; None = none."""
+        """Float tile (broadcastable, row layout) of the bias, in natural units; None = none.
+
+        For a relative bias function and a contiguous tile: a 5-D view
+        ``(1, h_kv, i1 - i0, g, bj)`` (``_Relative.tile``) instead.
+        """
         spec = self.spec
+        if self.relative is not None and isinstance(sel, slice):
+            return self.relative.tile(i0, i1, sel.start, sel.stop)
         parts = []
         if spec.bias is not None:
             parts.append(self._slice(spec.bias, i0, i1, sel))
@@ -258,9 +356,11 @@ class _Tiles:
         ``scale * log2(e)``; ``k_t`` ``(b * h_kv, bj, d)`` the key tile; ``allowed`` and
         ``bias`` as returned by ``allowed`` and ``bias``.
         """
-        s = torch.bmm(q2, k_t.transpose(1, 2))  # (b * h_kv, rows, bj)
+        s = _bmm(q2, k_t.transpose(1, 2))  # (b * h_kv, rows, bj)
         s4 = _unflat(s, self.nb)  # (b, h_kv, rows, bj), same memory
-        if bias is not None:
+        if bias is not None and bias.dim() == 5:  # a relative view (1, h_kv, queries, g, bj)
+            s4.view(*s4.shape[:2], -1, self.g, s4.shape[3]).add_(bias, alpha=LOG2E)
+        elif bias is not None:
             s4.add_(bias, alpha=LOG2E)
         if allowed is not None:
             s4.masked_fill_(~allowed, self.blocked)
@@ -270,9 +370,13 @@ class _Tiles:
         """Whether ``needed`` may drop slices of this tile: a bias, no mask, a contiguous tile."""
         return self.flush and bias is not None and allowed is None and isinstance(sel, slice)
 
-    def needed(
-        self, q_norm: Tensor, k_norm: Tensor, bias: Tensor, floor: Tensor
-    ) -> tuple[int, int]:
+    def row_max(self, bias: Tensor, i0: int, i1: int, sel: slice) -> Tensor:
+        """The largest bias of each row of a tile, natural units: ``(b?, h_kv?, rows?)``."""
+        if bias.dim() == 5:
+            return self.relative.row_max(i0, i1, sel.start, sel.stop)  # type: ignore[union-attr]
+        return bias.amax(dim=-1)
+
+    def needed(self, q_norm: Tensor, k_norm: Tensor, top: Tensor, floor: Tensor) -> tuple[int, int]:
         """The key heads ``[lo, hi)`` of a tile that can hold a weight that does not underflow.
 
         A logit is at most ``|q2_i| |k_j| + bias_ij`` (Cauchy-Schwarz, base 2). Where that bound
@@ -284,13 +388,12 @@ class _Tiles:
         some that are not: computing those changes nothing), so it is a view, never a gather.
 
         ``q_norm`` ``(b * h_kv, rows)``, ``k_norm`` ``(b * h_kv, bj)`` of the tile's keys,
-        ``bias`` as returned by ``bias``, ``floor`` ``(b * h_kv, rows)``. Returns ``(lo, hi)``:
+        ``top`` the tile's ``row_max``, ``floor`` ``(b * h_kv, rows)``. Returns ``(lo, hi)``:
         ``(0, h_kv)`` when every head is needed, ``lo == hi`` when none is.
         """
         bh, rows = q_norm.shape
         hk = self.hk
-        top = bias.amax(dim=-1).mul_(LOG2E)  # (b?, h_kv?, rows?) largest bias per row
-        top = top.expand(self.nb, hk, rows).reshape(bh, rows)
+        top = (top * LOG2E).expand(self.nb, hk, rows).reshape(bh, rows)
         bound = torch.addcmul(top, q_norm, k_norm.amax(dim=-1, keepdim=True)).add_(1.0)
         need = ~(bound < floor + self.underflow).all(dim=-1)  # (b * h_kv,); NaN: needed
         heads = need.view(self.nb, hk).any(dim=0).nonzero().flatten().tolist()
@@ -323,6 +426,20 @@ class _Tiles:
         if self.flush:
             torch.nn.functional.threshold_(s, self.underflow, self.blocked)
         return s.exp2_()
+
+
+def _bmm(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.bmm``, with an odd batch of more than one split into an even ``bmm`` and one
+    ``mm``: a batched matmul shares the batch out among the threads, so 3 matrices on 2 threads
+    take as long as 4, while a single ``mm`` uses both threads (27 % faster for 3 heads of
+    512 x 512 x 64 on 2 cores). Skipping heads (``_Tiles.needed``) makes odd batches common."""
+    n = a.shape[0]
+    if n % 2 == 0 or n == 1:
+        return torch.bmm(a, b)
+    out = torch.empty(n, a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
+    torch.bmm(a[:-1], b[:-1], out=out[:-1])
+    torch.mm(a[-1], b[-1], out=out[-1])
+    return out
 
 
 def _keys(t: Tensor, sel: slice | Tensor) -> Tensor:
@@ -475,7 +592,7 @@ def _online_step(
     p = tiles.exp2_shifted(s, m_new)  # (n, rows, bj), in place
     alpha = torch.exp2(m - m_new)
     l = l * alpha + p.sum(dim=-1)
-    acc = acc * alpha.unsqueeze(-1) + torch.bmm(p, v_t)
+    acc = acc * alpha.unsqueeze(-1) + _bmm(p, v_t)
     return m_new, l, acc
 
 
@@ -491,7 +608,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, spec: _Spec) -> tuple[Tensor, Tens
     for i0 in range(0, tiles.ni, spec.block_q):
         i1 = min(tiles.ni, i0 + spec.block_q)
         r0, r1 = i0 * g, i1 * g
-        q_blk = q_r[:, r0:r1] * (spec.scale * LOG2E)  # base-2 scale folded in, one block
+        q_blk = tiles.queries(q_r[:, r0:r1]) * (spec.scale * LOG2E)  # base-2 scale folded in
         m = torch.full((bh, r1 - r0), blocked, dtype=dtype, device=q.device)
         l = torch.zeros_like(m)
         acc = torch.zeros(bh, r1 - r0, v.shape[-1], dtype=dtype, device=q.device)
@@ -504,7 +621,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, spec: _Spec) -> tuple[Tensor, Tens
             k_t, v_t = _keys(k, sel), _keys(v, sel)
             lo, hi = 0, tiles.hk  # the key heads to compute: all, unless some underflow
             if tiles.can_skip(allowed, bias, sel):
-                lo, hi = tiles.needed(q_norm, _keys(k_norm, sel), bias, m)
+                top = tiles.row_max(bias, i0, i1, sel)
+                lo, hi = tiles.needed(q_norm, _keys(k_norm, sel), top, m)
             if lo == hi:
                 continue
             part = [_heads(t, nb, lo, hi) for t in (q_blk, k_t, v_t, m, l, acc)]  # views if all
@@ -513,8 +631,10 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, spec: _Spec) -> tuple[Tensor, Tens
             for old, t in zip((m, l, acc), new, strict=True):
                 _unflat(old, nb)[:, lo:hi].copy_(_unflat(t, nb))
         seen = m > blocked  # rows with at least one visible key
-        out[:, r0:r1] = torch.where(seen.unsqueeze(-1), acc / l.clamp_min(1e-30).unsqueeze(-1), 0)
-        lse[:, r0:r1] = torch.where(seen, (m + torch.log2(l.clamp_min(1e-30))) * LN2, blocked)
+        blk_out = torch.where(seen.unsqueeze(-1), acc / l.clamp_min(1e-30).unsqueeze(-1), 0)
+        blk_lse = torch.where(seen, (m + torch.log2(l.clamp_min(1e-30))) * LN2, blocked)
+        out[:, r0:r1] = tiles.queries(blk_out)
+        lse[:, r0:r1] = tiles.queries(blk_lse)
     out4, lse4 = _unflat(out, nb), _unflat(lse.unsqueeze(-1), nb)
     return _unrows(out4, g), _unrows(lse4, g).squeeze(-1)
 
@@ -555,10 +675,11 @@ def _backward(
     for i0 in range(0, tiles.ni, spec.block_q):
         i1 = min(tiles.ni, i0 + spec.block_q)
         r0, r1 = i0 * g, i1 * g
-        q_blk, do_blk = q_c[:, r0:r1], do[:, r0:r1].contiguous()
+        q_blk, do_blk = tiles.queries(q_c[:, r0:r1]), tiles.queries(do[:, r0:r1]).contiguous()
         q2_blk = q_blk * (spec.scale * LOG2E)
-        delta = (do_blk * out_r[:, r0:r1]).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O)
-        dq_blk = dq[:, r0:r1]
+        out_blk, lse_blk = tiles.queries(out_r[:, r0:r1]), tiles.queries(lse2[:, r0:r1])
+        delta = (do_blk * out_blk).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O)
+        dq_blk = torch.zeros_like(q_blk) if tiles.reverse else dq[:, r0:r1]
         q_norm = q2_blk.norm(dim=-1) if tiles.flush else None  # (b * h_kv, rows)
         for sel, state in tiles.groups(i0, i1):
             allowed = tiles.allowed(i0, i1, sel, state)
@@ -568,19 +689,20 @@ def _backward(
             k_t, v_t = _keys(k, sel), _keys(v, sel)
             lo, hi = 0, tiles.hk  # the key heads to compute: all, unless some underflow
             if dbias is None and tiles.can_skip(allowed, bias, sel):
-                lo, hi = tiles.needed(q_norm, _keys(k_norm, sel), bias, lse2[:, r0:r1])
+                top = tiles.row_max(bias, i0, i1, sel)
+                lo, hi = tiles.needed(q_norm, _keys(k_norm, sel), top, lse_blk)
             if lo == hi:
                 continue
             q_h, q2_h, do_h, k_h, v_h = (
                 _heads(t, nb, lo, hi) for t in (q_blk, q2_blk, do_blk, k_t, v_t)
             )  # views when all heads are computed
             s = tiles.logits(q2_h, k_h, allowed, _head_tile(bias, lo, hi))
-            p = tiles.exp2_shifted(s, _heads(lse2[:, r0:r1], nb, lo, hi))  # recomputed
-            dp = torch.bmm(do_h, v_h.transpose(1, 2))  # (b * heads, rows, bj)
+            p = tiles.exp2_shifted(s, _heads(lse_blk, nb, lo, hi))  # recomputed
+            dp = _bmm(do_h, v_h.transpose(1, 2))  # (b * heads, rows, bj)
             ds = dp.sub_(_heads(delta, nb, lo, hi)).mul_(p)  # d loss / d scores
-            _unflat(dq_blk, nb)[:, lo:hi].add_(_unflat(torch.bmm(ds, k_h), nb))
-            _add_keys(dv, sel, nb, lo, hi, torch.bmm(p.transpose(1, 2), do_h))
-            _add_keys(dk, sel, nb, lo, hi, torch.bmm(ds.transpose(1, 2), q_h))
+            _unflat(dq_blk, nb)[:, lo:hi].add_(_unflat(_bmm(ds, k_h), nb))
+            _add_keys(dv, sel, nb, lo, hi, _bmm(p.transpose(1, 2), do_h))
+            _add_keys(dk, sel, nb, lo, hi, _bmm(ds.transpose(1, 2), q_h))
             if dbias is not None:
                 tile = _sum_to(_untile_rows(_unflat(ds, nb), g), dbias.shape)  # (b?, h?, bi?, bj?)
                 rows = slice(i0, i1) if dbias.shape[2] != 1 else slice(None)
@@ -590,6 +712,8 @@ def _backward(
                     dbias[:, :, rows, sel].add_(tile)
                 else:
                     dbias[:, :, rows].index_add_(3, sel, tile)
+        if tiles.reverse:
+            dq[:, r0:r1] = tiles.queries(dq_blk)
     dq.mul_(spec.scale)
     dk.mul_(spec.scale)
     return _unrows(_unflat(dq, nb), g), _unflat(dk, nb), _unflat(dv, nb), dbias
