@@ -363,3 +363,36 @@ def test_odd_batches_are_split_without_changing_the_product() -> None:
         a = torch.randn(n, 6, 4, dtype=F64, generator=g)
         b = torch.randn(n, 5, 4, dtype=F64, generator=g).transpose(1, 2)
         torch.testing.assert_close(_bmm(a, b), torch.bmm(a, b), atol=1e-14, rtol=0)
+
+
+def test_skipping_negligible_heads_in_float32_stays_at_float32_accuracy(monkeypatch) -> None:
+    """float32 drops slices whose weights are all below 2^-64 of their row's largest; the result
+    still equals the float64 reference to float32 accuracy (gradients included)."""
+    from attnkit.backends import tiled
+    from attnkit.positional import alibi_fn
+
+    kept: list[float] = []  # fraction of key heads computed, per tile
+    original = tiled._Tiles.needed
+
+    def spy(self, *args):
+        lo, hi = original(self, *args)
+        kept.append((hi - lo) / self.hk)
+        return lo, hi
+
+    monkeypatch.setattr(tiled._Tiles, "needed", spy)
+    i, j = 700, 650
+    q64, k64, v64 = _qkv(i, j, h=8, h_kv=4, d=16, dv=16, b=1)
+    fn = alibi_fn(8, j - i)
+    results = []
+    for dtype in (F64, torch.float32):
+        q, k, v = (t.to(dtype).requires_grad_() for t in (q64, k64, v64))
+        if dtype == F64:
+            out = scaled_dot_product_attention(q, k, v, bias=fn, backend="math")
+        else:
+            out = tiled_attention(q, k, v, bias_fn=fn, block_q=64, block_k=64)
+        weight = torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out)
+        grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+        results.append([t.double() for t in (out, *grads)])
+    for a, b_, what in zip(*results, ("out", "dq", "dk", "dv"), strict=True):
+        torch.testing.assert_close(b_, a, atol=2e-6, rtol=1e-4, msg=what)
+    assert 0.0 < sum(kept) / len(kept) < 0.9  # steep heads really were skipped
