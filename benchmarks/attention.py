@@ -69,6 +69,9 @@ METHODS = [
     "linear",
     "linear causal",
 ]
+# Not in the default grid: the same bias functions without the ``relative`` declaration, so the
+# tiled backend evaluates them per tile (what an arbitrary bias function costs).
+EXTRA_METHODS = ["tiled + ALiBi fn, undeclared", "tiled + relative fn, undeclared"]
 # Methods that build n x n tensors, with bytes per (b * h * n * n) element at peak, estimated
 # for forward+backward (the cap below skips them where they would not fit).
 DENSE_BYTES = {
@@ -160,6 +163,12 @@ def make_call(method: str, q, k, v):
         ),
         "tiled + relative fn": lambda: scaled_dot_product_attention(
             q, k, v, bias=relative, backend="tiled"
+        ),
+        "tiled + ALiBi fn, undeclared": lambda: scaled_dot_product_attention(
+            q, k, v, bias=lambda b, h, i, j: alibi(b, h, i, j), backend="tiled"
+        ),
+        "tiled + relative fn, undeclared": lambda: scaled_dot_product_attention(
+            q, k, v, bias=lambda b, h, i, j: relative(b, h, i, j), backend="tiled"
         ),
         "sparse window 256": lambda: scaled_dot_product_attention(
             q, k, v, window, backend="sparse"
@@ -262,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS, metavar="M")
+    parser.add_argument(
+        "--methods", nargs="+", default=METHODS, choices=METHODS + EXTRA_METHODS, metavar="M"
+    )
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     parser.add_argument("--no-memory", action="store_true", help="skip peak-memory runs")
     parser.add_argument("--max-dense-gb", type=float, default=6.0, help="skip bigger dense routes")
@@ -380,6 +391,10 @@ def evaluate_targets(rows: list[dict], modes: list[str]) -> dict[tuple[str, int]
                 else:
                     ok = None
             note(f"tiled + {kind} fn", n, verdict("T2", ok, detail))
+            plain = _find(rows, f"tiled + {kind} fn, undeclared", n)
+            if plain is not None:
+                r = ratio(base, plain, "fwdbwd")
+                note(f"tiled + {kind} fn, undeclared", n, f"for comparison: {_x(r)} speed")
         # T3: tiled fwd+bwd at n = 8192: peak extra memory <= 1.5x torch's.
         if n == 8192:
             mine, base = _find(rows, "tiled", n), _find(rows, "torch", n)

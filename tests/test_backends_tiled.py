@@ -396,3 +396,55 @@ def test_skipping_negligible_heads_in_float32_stays_at_float32_accuracy(monkeypa
     for a, b_, what in zip(*results, ("out", "dq", "dk", "dv"), strict=True):
         torch.testing.assert_close(b_, a, atol=2e-6, rtol=1e-4, msg=what)
     assert 0.0 < sum(kept) / len(kept) < 0.9  # steep heads really were skipped
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_lazy_shift_handles_logits_far_from_zero(dtype, monkeypatch) -> None:
+    """Without a bias the forward keeps a per-row shift of 0 while a row's logits stay near
+    0 (tiles whose Cauchy-Schwarz bound is below 40 bits skip the maximum) and moves it only
+    when they leave +-40 bits. Huge logits, logits that grow block after block and logits far
+    below zero all equal the float64 reference, masks and gradients included, and each of the
+    shift's regimes really occurs."""
+    from attnkit.backends import tiled
+
+    seen = set()
+    original = tiled._lazy_step
+
+    def spy(s, v_t, m, l, acc, small):
+        new = original(s, v_t, m, l, acc, small)
+        first = l is None
+        seen.add(("first" if first else "later", "zero" if new[0] is None else "shifted"))
+        seen.add(("bounded", small))
+        if not first and m is not None and new[0] is not None and not torch.equal(m, new[0]):
+            seen.add(("later", "moved"))
+        return new
+
+    monkeypatch.setattr(tiled, "_lazy_step", spy)
+    i, j, d = 150, 230, 8
+    q64, k64, v64 = _qkv(i, j, h=2, h_kv=2, d=d, dv=4, b=2)
+    grow = torch.linspace(0.2, 30.0, j, dtype=F64).view(1, 1, j, 1)  # later keys dominate
+    dense = torch.rand(2, 1, i, j, generator=torch.Generator().manual_seed(3)) > 0.3
+    dense[:, :, 5] = False
+    cases = {
+        "plain": (q64, k64, {}),
+        "huge": (q64 * 60, k64, {}),
+        "growing": (q64 * 3, k64 * grow, {"mask": dense}),
+        "far below": (torch.full_like(q64, 8.0), -k64.abs() - 8.0, {"is_causal": True}),
+    }
+    for name, (qc, kc, kw) in cases.items():
+        results = []
+        for impl in ("math", "tiled"):
+            q, k, v = (t.to(dtype if impl == "tiled" else F64).detach().requires_grad_()
+                       for t in (qc, kc, v64))  # fmt: skip
+            if impl == "tiled":
+                out = tiled_attention(q, k, v, block_q=32, block_k=64, **kw)
+            else:
+                out = scaled_dot_product_attention(q, k, v, backend="math", **kw)
+            weight = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+            grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+            results.append([t.double() for t in (out, *grads)])
+        tol = {"atol": 1e-9, "rtol": 1e-7} if dtype == F64 else {"atol": 1e-3, "rtol": 1e-3}
+        for a, b_, what in zip(*results, ("out", "dq", "dk", "dv"), strict=True):
+            torch.testing.assert_close(b_, a, **tol, msg=f"{name}: {what}")
+    want = {("first", "zero"), ("first", "shifted"), ("later", "moved")}
+    assert want | {("bounded", True), ("bounded", False)} <= seen

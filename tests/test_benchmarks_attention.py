@@ -34,6 +34,7 @@ def test_targets_met_and_missed() -> None:
         _row("tiled + ALiBi fn", 8192, 1.5, 5.0, 20, 600),  # faster, but 0.15 memory: missed
         _row("torch + relative tensor", 8192, 2.0, 6.0, 1000, 4000),
         _row("tiled + relative fn", 8192, 1.5, 5.5, 20, 400),  # 1.09x, 0.1 memory: met
+        _row("tiled + relative fn, undeclared", 8192, 3.0, 12.0),  # 0.5x: reported, no target
         _row("torch", 16384, 4.0, 12.0),
         _row("linear", 16384, 0.1, 0.5),  # 40x, 24x: T5 met
         _row("torch + window mask", 16384, 8.0, 24.0),
@@ -45,6 +46,7 @@ def test_targets_met_and_missed() -> None:
     assert t[("tiled causal", 8192)][0].startswith("T1 missed")
     assert t[("tiled + ALiBi fn", 8192)][0].startswith("T2 missed")
     assert t[("tiled + relative fn", 8192)][0].startswith("T2 met (1.09x speed, memory 0.100")
+    assert t[("tiled + relative fn, undeclared", 8192)] == ["for comparison: 0.50x speed"]
     assert t[("linear", 16384)][0].startswith("T5 met")
     assert t[("sparse window 256", 16384)][0].startswith("T4 missed")
     assert bench.fits("math", 1, 4096, 6.0) and not bench.fits("math", 1, 16384, 6.0)

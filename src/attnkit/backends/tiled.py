@@ -20,6 +20,13 @@ FlashAttention-2, Dao 2023, Algorithm 2)::
 
 Extra memory is O(n * block): one tile of scores per step, never ``i x j``.
 
+Without a bias the forward does not need the exact maximum: any per-row shift ``c`` gives the
+same ``acc / l`` as long as ``exp(s - c)`` neither overflows nor loses the row's largest weight.
+The shift stays 0 while a row's tile maxima lie within 40 bits of it and moves (with the
+rescaling above) only when a tile's maximum passes it by more than that, so the usual tile
+costs one pass less over the scores and no rescaling (``_lazy_step``). With a bias the running
+maximum is kept exact: skipping (below) compares against it.
+
 Work is done in base 2 (``exp2``, with ``log2(e)`` folded into the scale) as FlashAttention does:
 on CPU ``torch.exp`` is 14-40x slower on underflowing inputs and ~5x slower on ``-inf``.
 ``exp2`` is fast on the finite minimum but, on some CPUs, still 3-4x slower where its result is
@@ -100,6 +107,9 @@ BLOCK_K = 512
 # 64 for float32, 93 for float64. Skipping only slices that would underflow (126) computed 5 %
 # more of ALiBi at n = 2048 and was 5 % slower.
 NEGLIGIBLE_MARGIN = 40
+# Without a bias, the forward's per-row shift moves only when a tile's maximum passes it by
+# more than this many bits (``_lazy_step``).
+LAZY_SHIFT = 40.0
 
 
 @dataclass(frozen=True)
@@ -358,15 +368,17 @@ class _Tiles:
         return _tile_rows(bias.to(self.dtype), self.g, i1 - i0, bj)
 
     def logits(
-        self, q2: Tensor, k_t: Tensor, allowed: Tensor | None, bias: Tensor | None
+        self, q2: Tensor, k_tt: Tensor, allowed: Tensor | None, bias: Tensor | None
     ) -> Tensor:
         """Base-2 logits ``(b * h_kv, rows, bj)`` of a tile.
 
         ``q2`` ``(b * h_kv, rows, d)`` is the query block already multiplied by
-        ``scale * log2(e)``; ``k_t`` ``(b * h_kv, bj, d)`` the key tile; ``allowed`` and
-        ``bias`` as returned by ``allowed`` and ``bias``.
+        ``scale * log2(e)``; ``k_tt`` ``(b * h_kv, d, bj)`` the key tile, transposed;
+        ``allowed`` and ``bias`` as returned by ``allowed`` and ``bias``.
         """
-        s = _bmm(q2, k_t.transpose(1, 2))  # (b * h_kv, rows, bj)
+        s = _bmm(q2, k_tt)  # (b * h_kv, rows, bj)
+        if bias is None and allowed is None:
+            return s
         s4 = _unflat(s, self.nb)  # (b, h_kv, rows, bj), same memory
         if bias is not None and bias.dim() == 5:  # a relative view (1, h_kv, queries, g, bj)
             s4.view(*s4.shape[:2], -1, self.g, s4.shape[3]).add_(bias, alpha=LOG2E)
@@ -477,9 +489,19 @@ def _unflat(t: Tensor, nb: int) -> Tensor:
 
 
 def _heads(t: Tensor, nb: int, lo: int, hi: int) -> Tensor:
-    """Heads ``[lo, hi)`` of a ``(b * h, ...)`` tensor, as ``(b * (hi - lo), ...)``: a view for
-    b = 1 or all heads, else a copy."""
+    """Heads ``[lo, hi)`` of a ``(b * h, ...)`` tensor, as ``(b * (hi - lo), ...)``: ``t`` itself
+    for all heads, a view for b = 1, else a copy."""
+    if lo == 0 and hi * nb == t.shape[0]:
+        return t
     return _unflat(t, nb)[:, lo:hi].flatten(0, 1)
+
+
+def _add_heads(dst: Tensor, nb: int, lo: int, hi: int, value: Tensor) -> None:
+    """``dst[(batch, heads lo:hi)] += value``, ``value`` as returned by ``_heads``."""
+    if lo == 0 and hi * nb == dst.shape[0]:
+        dst.add_(value)
+    else:
+        _unflat(dst, nb)[:, lo:hi].add_(_unflat(value, nb))
 
 
 def _head_tile(t: Tensor | None, lo: int, hi: int) -> Tensor | None:
@@ -490,6 +512,12 @@ def _head_tile(t: Tensor | None, lo: int, hi: int) -> Tensor | None:
 def _add_keys(dst: Tensor, sel: slice | Tensor, nb: int, lo: int, hi: int, value: Tensor) -> None:
     """``dst[(batch, heads lo:hi), keys sel] += value`` for ``dst`` ``(b * h, j, d)`` and
     ``value`` ``(b * (hi - lo), len(sel), d)``; ``sel`` a slice or an index tensor."""
+    if lo == 0 and hi * nb == dst.shape[0]:  # every head
+        if isinstance(sel, slice):
+            dst[:, sel].add_(value)
+        else:
+            dst.index_add_(1, sel, value)
+        return
     rows = _unflat(dst, nb)[:, lo:hi]  # a view
     if isinstance(sel, slice):
         rows[:, :, sel].add_(_unflat(value, nb))
@@ -594,18 +622,150 @@ def backward_blocks(
 
 
 def _online_step(
-    tiles: _Tiles, s: Tensor, v_t: Tensor, m: Tensor, l: Tensor, acc: Tensor
+    tiles: _Tiles, s: Tensor, v_t: Tensor, m: Tensor | None, l: Tensor, acc: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One tile of the online softmax: logits ``s`` ``(n, rows, bj)`` -> new ``m, l, acc``."""
-    m_new = torch.maximum(m, s.amax(dim=-1))
+    """One tile of the online softmax: logits ``s`` ``(n, rows, bj)`` -> new ``m, l, acc``.
+
+    ``m=None`` marks the first tile of a query block (nothing to rescale; ``l`` and ``acc``
+    are then ignored)."""
+    m_new = s.amax(dim=-1) if m is None else torch.maximum(m, s.amax(dim=-1))
     # A row blocked in every tile so far has m_new = blocked and gets p = 1 here: that garbage
     # is scaled by exp2(blocked - m) = 0 once a visible key arrives, or zeroed at the end if none
     # ever does.
     p = tiles.exp2_shifted(s, m_new)  # (n, rows, bj), in place
+    if m is None:
+        return m_new, p.sum(dim=-1), _bmm(p, v_t)
     alpha = torch.exp2(m - m_new)
-    l = l * alpha + p.sum(dim=-1)
-    acc = acc * alpha.unsqueeze(-1) + _bmm(p, v_t)
+    l = torch.addcmul(p.sum(dim=-1), l, alpha)
+    acc = torch.baddbmm(acc * alpha.unsqueeze(-1), p, v_t)
     return m_new, l, acc
+
+
+class _KeyTiles:
+    """The key and value tiles of a call, made once per tile and reused by every query block:
+    ``(k_t, k_t^T, v_t, v_t^T, largest |k_j|)``, views for a slice (``inf`` without
+    ``bounds``)."""
+
+    def __init__(self, k: Tensor, v: Tensor, bounds: bool) -> None:
+        self.k, self.v = k, v
+        self.norm = k.norm(dim=-1) if bounds else None  # (b * h_kv, j)
+        self.cache: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor, Tensor, float]] = {}
+
+    def get(self, sel: slice | Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+        key = (sel.start, sel.stop) if isinstance(sel, slice) else None
+        hit = self.cache.get(key) if key is not None else None
+        if hit is None:
+            top = math.inf if self.norm is None else float(_keys(self.norm, sel).max())
+            k_t, v_t = _keys(self.k, sel), _keys(self.v, sel)
+            hit = (k_t, k_t.mT, v_t, v_t.mT, top)
+            if key is not None:
+                self.cache[key] = hit
+        return hit
+
+
+def _lazy_block(
+    tiles: _Tiles, q_blk: Tensor, keys: _KeyTiles, i0: int, i1: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The online softmax of one query block without a bias (``_lazy_step``): returns
+    ``(m, l, acc)`` with ``m`` the rows' shift, as ``_exact_block`` does.
+
+    A logit is at most ``max |q2_i| * max |k_j|`` in size (Cauchy-Schwarz): a fully visible tile
+    where that bound is below ``LAZY_SHIFT`` needs no maximum while the shift is 0 (its weights
+    lie between 2^-40 and 2^40).
+    """
+    m = l = acc = None
+    q_top = float(q_blk.norm(dim=-1).max())
+    for sel, state in tiles.groups(i0, i1):
+        allowed = tiles.allowed(i0, i1, sel, state)
+        if allowed is not None and not bool(allowed.any()):
+            continue
+        _, k_tt, v_t, _, k_top = keys.get(sel)
+        small = m is None and allowed is None and q_top * k_top < LAZY_SHIFT
+        s = tiles.logits(q_blk, k_tt, allowed, None)
+        m, l, acc = _lazy_step(s, v_t, m, l, acc, small)
+    if l is None or acc is None:  # no visible key at all
+        bh, rows = q_blk.shape[:2]
+        l = torch.zeros(bh, rows, dtype=q_blk.dtype, device=q_blk.device)
+        acc = torch.zeros(bh, rows, keys.v.shape[-1], dtype=q_blk.dtype, device=q_blk.device)
+        return torch.full_like(l, tiles.blocked), l, acc
+    return (torch.zeros_like(l) if m is None else m), l, acc
+
+
+def _lazy_step(
+    s: Tensor,
+    v_t: Tensor,
+    m: Tensor | None,
+    l: Tensor | None,
+    acc: Tensor | None,
+    small: bool = False,
+) -> tuple[Tensor | None, Tensor, Tensor]:
+    """One tile of the online softmax with a lazy shift (no bias): ``(m, l, acc)`` -> new.
+
+    The weights are ``exp2(s - m)`` for a per-row shift ``m`` that changes only when a tile's
+    maximum exceeds it by more than ``LAZY_SHIFT`` bits (the weights stay below 2^40, and the
+    largest of a row at least 2^-40: float32 keeps its full precision); ``m=None`` stands for
+    a shift of 0, the usual case, which saves a pass over the tile and every rescaling.
+    ``l=None`` marks the first tile of a block. ``small``: the caller knows that every logit of
+    the tile is below ``LAZY_SHIFT``, so with a shift of 0 the maximum is not needed at all.
+    Only for tiles without a bias (``needed`` wants the exact running maximum).
+    """
+    if small and m is None:
+        p = s.exp2_()
+        if l is None or acc is None:
+            return None, p.sum(dim=-1), _bmm(p, v_t)
+        return None, l + p.sum(dim=-1), torch.baddbmm(acc, p, v_t)
+    top = s.amax(dim=-1)  # (n, rows)
+    if l is None or acc is None:  # first tile: shift 0 where the maximum is near 0
+        near = (top > -LAZY_SHIFT) & (top < LAZY_SHIFT)
+        m = None if bool(near.all()) else torch.where(near, 0.0, top)
+        p = s.exp2_() if m is None else s.sub_(m.unsqueeze(-1)).exp2_()
+        return m, p.sum(dim=-1), _bmm(p, v_t)
+    ref = 0.0 if m is None else m
+    grow = top > ref + LAZY_SHIFT
+    if bool(grow.any()):  # a new maximum far above the shift: move the shift, rescale
+        m = torch.where(grow, top, ref)
+        alpha = torch.exp2(ref - m)  # 0 for rows blocked so far: clears their garbage
+        l, acc = l * alpha, acc * alpha.unsqueeze(-1)
+    p = s.exp2_() if m is None else s.sub_(m.unsqueeze(-1)).exp2_()
+    return m, l + p.sum(dim=-1), torch.baddbmm(acc, p, v_t)
+
+
+def _exact_block(
+    tiles: _Tiles, q_blk: Tensor, keys: _KeyTiles, i0: int, i1: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The online softmax of one query block with a bias: ``(m, l, acc)``, ``m`` the exact
+    running maximum, which lets ``needed`` leave out the heads whose weights are negligible."""
+    nb, bh, rows = tiles.nb, q_blk.shape[0], q_blk.shape[1]
+    m = torch.full((bh, rows), tiles.blocked, dtype=q_blk.dtype, device=q_blk.device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(bh, rows, keys.v.shape[-1], dtype=q_blk.dtype, device=q_blk.device)
+    q_norm = q_blk.norm(dim=-1)  # (b * h_kv, rows)
+    k_norm = keys.norm
+    assert k_norm is not None
+    first = True  # no tile computed yet: m, l, acc hold their initial values
+    for sel, state in tiles.order(i0, i1):
+        allowed = tiles.allowed(i0, i1, sel, state)
+        if allowed is not None and not bool(allowed.any()):
+            continue  # a tile that evaluates all blocked costs nothing more
+        bias = tiles.bias(i0, i1, sel)
+        _, k_tt, v_t, _, _ = keys.get(sel)
+        lo, hi = 0, tiles.hk  # the key heads to compute: all, unless some are negligible
+        if tiles.can_skip(allowed, bias, sel):
+            top = tiles.row_max(bias, i0, i1, sel)
+            lo, hi = tiles.needed(q_norm, _keys(k_norm, sel), top, m)
+        if lo == hi:
+            continue
+        if (lo, hi) == (0, tiles.hk):  # every head: the whole tensors, no copies
+            s = tiles.logits(q_blk, k_tt, allowed, bias)
+            m, l, acc = _online_step(tiles, s, v_t, None if first else m, l, acc)
+        else:
+            part = [_heads(t, nb, lo, hi) for t in (q_blk, k_tt, v_t, m, l, acc)]
+            s = tiles.logits(part[0], part[1], allowed, _head_tile(bias, lo, hi))
+            new = _online_step(tiles, s, *part[2:])
+            for old, t in zip((m, l, acc), new, strict=True):
+                _unflat(old, nb)[:, lo:hi].copy_(_unflat(t, nb))
+        first = False
+    return m, l, acc
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, spec: _Spec) -> tuple[Tensor, Tensor]:
@@ -614,34 +774,17 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, spec: _Spec) -> tuple[Tensor, Tens
     q_r = _flat(_rows(q.to(dtype), g))  # (b * h_kv, i * g, d)
     k, v = _flat(k.to(dtype)), _flat(v.to(dtype))  # (b * h_kv, j, d)
     bh, rows = q_r.shape[:2]
-    k_norm = k.norm(dim=-1) if tiles.flush else None  # (b * h_kv, j): bounds for skipping
-    out = torch.zeros(bh, rows, v.shape[-1], dtype=dtype, device=q.device)
-    lse = torch.full((bh, rows), blocked, dtype=dtype, device=q.device)
+    keys = _KeyTiles(k, v, bounds=True)
+    out = torch.empty(bh, rows, v.shape[-1], dtype=dtype, device=q.device)
+    lse = torch.empty(bh, rows, dtype=dtype, device=q.device)
     for i0 in range(0, tiles.ni, spec.block_q):
         i1 = min(tiles.ni, i0 + spec.block_q)
         r0, r1 = i0 * g, i1 * g
         q_blk = tiles.queries(q_r[:, r0:r1]) * (spec.scale * LOG2E)  # base-2 scale folded in
-        m = torch.full((bh, r1 - r0), blocked, dtype=dtype, device=q.device)
-        l = torch.zeros_like(m)
-        acc = torch.zeros(bh, r1 - r0, v.shape[-1], dtype=dtype, device=q.device)
-        q_norm = q_blk.norm(dim=-1) if tiles.flush else None  # (b * h_kv, rows)
-        for sel, state in tiles.order(i0, i1):
-            allowed = tiles.allowed(i0, i1, sel, state)
-            if allowed is not None and not bool(allowed.any()):
-                continue  # a tile that evaluates all blocked costs nothing more
-            bias = tiles.bias(i0, i1, sel)
-            k_t, v_t = _keys(k, sel), _keys(v, sel)
-            lo, hi = 0, tiles.hk  # the key heads to compute: all, unless some underflow
-            if tiles.can_skip(allowed, bias, sel):
-                top = tiles.row_max(bias, i0, i1, sel)
-                lo, hi = tiles.needed(q_norm, _keys(k_norm, sel), top, m)
-            if lo == hi:
-                continue
-            part = [_heads(t, nb, lo, hi) for t in (q_blk, k_t, v_t, m, l, acc)]  # views if all
-            s = tiles.logits(part[0], part[1], allowed, _head_tile(bias, lo, hi))
-            new = _online_step(tiles, s, *part[2:])
-            for old, t in zip((m, l, acc), new, strict=True):
-                _unflat(old, nb)[:, lo:hi].copy_(_unflat(t, nb))
+        if tiles.flush:
+            m, l, acc = _exact_block(tiles, q_blk, keys, i0, i1)
+        else:
+            m, l, acc = _lazy_block(tiles, q_blk, keys, i0, i1)
         seen = m > blocked  # rows with at least one visible key
         blk_out = torch.where(seen.unsqueeze(-1), acc / l.clamp_min(1e-30).unsqueeze(-1), 0)
         blk_lse = torch.where(seen, (m + torch.log2(l.clamp_min(1e-30))) * LN2, blocked)
@@ -677,7 +820,8 @@ def _backward(
     lse_r = _flat(_rows(lse.to(dtype).unsqueeze(-1), g)).squeeze(-1)  # (b * h_kv, i * g)
     # A row that saw no key: every score is the blocked minimum; with lse2 = 0, p = exp2(min) = 0.
     lse2 = torch.where(lse_r > tiles.blocked * 0.5, lse_r * LOG2E, 0.0)
-    k_norm = k.norm(dim=-1) if tiles.flush else None  # (b * h_kv, j): bounds for skipping
+    keys = _KeyTiles(k, v, bounds=tiles.flush)
+    k_norm = keys.norm  # (b * h_kv, j): bounds for skipping, with a bias
     dq = torch.zeros_like(q_c)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
@@ -698,21 +842,21 @@ def _backward(
             if allowed is not None and not bool(allowed.any()):
                 continue
             bias = tiles.bias(i0, i1, sel)
-            k_t, v_t = _keys(k, sel), _keys(v, sel)
+            k_t, k_tt, _, v_tt, _ = keys.get(sel)
             lo, hi = 0, tiles.hk  # the key heads to compute: all, unless some underflow
-            if dbias is None and tiles.can_skip(allowed, bias, sel):
+            if dbias is None and k_norm is not None and tiles.can_skip(allowed, bias, sel):
                 top = tiles.row_max(bias, i0, i1, sel)
                 lo, hi = tiles.needed(q_norm, _keys(k_norm, sel), top, lse_blk)
             if lo == hi:
                 continue
-            q_h, q2_h, do_h, k_h, v_h = (
-                _heads(t, nb, lo, hi) for t in (q_blk, q2_blk, do_blk, k_t, v_t)
-            )  # views when all heads are computed
-            s = tiles.logits(q2_h, k_h, allowed, _head_tile(bias, lo, hi))
+            q_h, q2_h, do_h, k_h, k_th, v_th = (
+                _heads(t, nb, lo, hi) for t in (q_blk, q2_blk, do_blk, k_t, k_tt, v_tt)
+            )  # the tensors themselves when all heads are computed
+            s = tiles.logits(q2_h, k_th, allowed, _head_tile(bias, lo, hi))
             p = tiles.exp2_shifted(s, _heads(lse_blk, nb, lo, hi))  # recomputed
-            dp = _bmm(do_h, v_h.transpose(1, 2))  # (b * heads, rows, bj)
+            dp = _bmm(do_h, v_th)  # (b * heads, rows, bj)
             ds = dp.sub_(_heads(delta, nb, lo, hi)).mul_(p)  # d loss / d scores
-            _unflat(dq_blk, nb)[:, lo:hi].add_(_unflat(_bmm(ds, k_h), nb))
+            _add_heads(dq_blk, nb, lo, hi, _bmm(ds, k_h))
             _add_keys(dv, sel, nb, lo, hi, _bmm(p.transpose(1, 2), do_h))
             _add_keys(dk, sel, nb, lo, hi, _bmm(ds.transpose(1, 2), q_h))
             if dbias is not None:
