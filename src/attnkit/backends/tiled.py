@@ -84,6 +84,7 @@ from attnkit.masks import BiasFn, MaskFn, causal_fn
 
 __all__ = [
     "BLOCK_K",
+    "BLOCK_K_BIAS",
     "BLOCK_Q",
     "BLOCK_Q_BIAS",
     "backward_blocks",
@@ -96,13 +97,16 @@ __all__ = [
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453  # ln(2): log(x) = log2(x) * ln(2)
-BLOCK_Q = 128  # 128 x 512 tiles beat 512 x 512 by 5-25 % on 2 cores (L2-sized score tiles)
-# With a bias, 256-row blocks: the skipping of negligible heads (``_Tiles.needed``) is finer
-# than with 512 rows and the per-tile work still amortises; interleaved at n = 2048, b = 2:
+# Without a bias, 256 x 256 tiles: interleaved fwd+bwd against 128 x 512 (the earlier default)
+# at b * h = 8, n = 4096 / 8192: 2,733 / 10,993 ms against 2,843 / 12,325 (forward within 2 %).
+BLOCK_Q = 256
+BLOCK_K = 256
+# With a bias, 256 x 512 tiles: the skipping of negligible heads (``_Tiles.needed``) is finer
+# than with 512 rows and the per-tile bias work still amortises; interleaved at n = 2048, b = 2:
 # ALiBi 1,051 / 1,138 / 1,135 ms and relative buckets 1,311 / 1,344 / 1,341 ms for 256 / 128 /
 # 512 rows (at n = 4096 256 and 512 rows are within 2 %).
 BLOCK_Q_BIAS = 256
-BLOCK_K = 512
+BLOCK_K_BIAS = 512
 # Weights below 2^-(mantissa bits + 40) of a row's largest are negligible (``_Tiles.needed``):
 # 64 for float32, 93 for float64. Skipping only slices that would underflow (126) computed 5 %
 # more of ALiBi at n = 2048 and was 5 % slower.
@@ -471,11 +475,17 @@ def _keys(t: Tensor, sel: slice | Tensor) -> Tensor:
     return t[:, sel] if isinstance(sel, slice) else t.index_select(1, sel)
 
 
-def _block_q(block_q: int | None, bias: Tensor | None, bias_fn: BiasFn | None) -> int:
-    """The query block size: as given, else ``BLOCK_Q_BIAS`` with a bias, ``BLOCK_Q`` without."""
-    if block_q is not None:
-        return block_q
-    return BLOCK_Q if bias is None and bias_fn is None else BLOCK_Q_BIAS
+def _blocks(
+    block_q: int | None, block_k: int | None, bias: Tensor | None, bias_fn: BiasFn | None
+) -> tuple[int, int]:
+    """The tile sizes: as given, else ``BLOCK_Q_BIAS x BLOCK_K_BIAS`` with a bias and
+    ``BLOCK_Q x BLOCK_K`` without."""
+    plain = bias is None and bias_fn is None
+    if block_q is None:
+        block_q = BLOCK_Q if plain else BLOCK_Q_BIAS
+    if block_k is None:
+        block_k = BLOCK_K if plain else BLOCK_K_BIAS
+    return block_q, block_k
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -541,7 +551,7 @@ def forward_blocks(
     q_offset: int = 0,
     k_offset: int = 0,
     block_q: int | None = None,
-    block_k: int = BLOCK_K,
+    block_k: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of ``q`` over one shard of keys: the normalised output and the log-sum-exp.
 
@@ -553,8 +563,8 @@ def forward_blocks(
         mask_fn / bias_fn: functions ``fn(b, h, i, j)`` of *absolute* positions: query ``r`` of
             ``q`` is position ``q_offset + r``, key ``c`` of ``k`` is ``k_offset + c``. Causal
             attention over shards is ``mask_fn=masks.causal_fn(offset)`` with global positions.
-        block_q, block_k: tile sizes (``block_q=None``: ``BLOCK_Q``; ``BLOCK_Q_BIAS`` with a
-            bias).
+        block_q, block_k: tile sizes (``None``: ``BLOCK_Q x BLOCK_K``; ``BLOCK_Q_BIAS x
+            BLOCK_K_BIAS`` with a bias).
 
     Returns:
         ``out (b, h, i, dv)`` in the compute dtype (float32, float64 for float64 inputs) and
@@ -562,7 +572,7 @@ def forward_blocks(
         visible keys of this shard. A row that sees no key here has ``out = 0`` and
         ``lse = finfo(dtype).min`` (finite), which ``merge`` treats as "no contribution".
     """
-    block_q = _block_q(block_q, bias, bias_fn)
+    block_q, block_k = _blocks(block_q, block_k, bias, bias_fn)
     spec = _Spec(
         scale, _pad4(mask), mask_fn, _pad4(bias), bias_fn, q_offset, k_offset, block_q, block_k
     )
@@ -603,7 +613,7 @@ def backward_blocks(
     q_offset: int = 0,
     k_offset: int = 0,
     block_q: int | None = None,
-    block_k: int = BLOCK_K,
+    block_k: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients for one K/V shard, given the *global* ``out`` and ``lse`` of these queries.
 
@@ -612,7 +622,7 @@ def backward_blocks(
     sum it over shards), ``dk`` and ``dv`` (complete for this shard), in the compute dtype.
     Other arguments as in ``forward_blocks``.
     """
-    block_q = _block_q(block_q, bias, bias_fn)
+    block_q, block_k = _blocks(block_q, block_k, bias, bias_fn)
     spec = _Spec(
         scale, _pad4(mask), mask_fn, _pad4(bias), bias_fn, q_offset, k_offset, block_q, block_k
     )
@@ -910,7 +920,7 @@ def tiled_attention(
     bias_fn: BiasFn | None = None,
     is_causal: bool = False,
     block_q: int | None = None,
-    block_k: int = BLOCK_K,
+    block_k: int | None = None,
     gather: bool = False,
 ) -> Tensor:
     """Differentiable tiled attention on 4-D inputs ``(b, h, i, d)``; see the module docstring.
@@ -924,7 +934,7 @@ def tiled_attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if is_causal:
         mask_fn = all_of(mask_fn, causal_fn(k.shape[2] - q.shape[2]))
-    block_q = _block_q(block_q, bias, bias_fn)
+    block_q, block_k = _blocks(block_q, block_k, bias, bias_fn)
     spec = _Spec(
         scale, _pad4(mask), mask_fn, None, bias_fn, block_q=block_q, block_k=block_k, gather=gather
     )
@@ -972,7 +982,7 @@ def run_call(
     call: AttentionCall,
     *,
     block_q: int | None = None,
-    block_k: int = BLOCK_K,
+    block_k: int | None = None,
     gather: bool = False,
     extra_mask_fn: MaskFn | None = None,
 ) -> Tensor:
