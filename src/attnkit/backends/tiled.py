@@ -690,7 +690,7 @@ def _lazy_block(
         if allowed is not None and not bool(allowed.any()):
             continue
         _, k_tt, v_t, _, k_top = keys.get(sel)
-        small = m is None and allowed is None and q_top * k_top < LAZY_SHIFT
+        small = allowed is None and q_top * k_top < LAZY_SHIFT
         s = tiles.logits(q_blk, k_tt, allowed, None)
         m, l, acc = _lazy_step(s, v_t, m, l, acc, small)
     if l is None or acc is None:  # no visible key at all
@@ -719,24 +719,23 @@ def _lazy_step(
     the tile is below ``LAZY_SHIFT``, so with a shift of 0 the maximum is not needed at all.
     Only for tiles without a bias (``needed`` wants the exact running maximum).
     """
-    if small and m is None:
-        p = s.exp2_()
-        if l is None or acc is None:
-            return None, p.sum(dim=-1), _bmm(p, v_t)
-        return None, l + p.sum(dim=-1), torch.baddbmm(acc, p, v_t)
-    top = s.amax(dim=-1)  # (n, rows)
-    if l is None or acc is None:  # first tile: shift 0 where the maximum is near 0
-        near = (top > -LAZY_SHIFT) & (top < LAZY_SHIFT)
-        m = None if bool(near.all()) else torch.where(near, 0.0, top)
-        p = s.exp2_() if m is None else s.sub_(m.unsqueeze(-1)).exp2_()
+    if not (small and m is None):
+        top = s.amax(dim=-1)  # (n, rows)
+        if l is None or acc is None:  # first tile: shift 0 where the maximum is near 0
+            near = (top > -LAZY_SHIFT) & (top < LAZY_SHIFT)
+            m = None if bool(near.all()) else torch.where(near, 0.0, top)
+        else:
+            ref = 0.0 if m is None else m
+            grow = top > ref + LAZY_SHIFT
+            if bool(grow.any()):  # a new maximum far above the shift: move it, rescale
+                m = torch.where(grow, top, ref)
+                alpha = torch.exp2(ref - m)  # 0 for rows blocked so far: clears their garbage
+                l, acc = l * alpha, acc * alpha.unsqueeze(-1)
+        if m is not None:
+            s.sub_(m.unsqueeze(-1))
+    p = s.exp2_()
+    if l is None or acc is None:
         return m, p.sum(dim=-1), _bmm(p, v_t)
-    ref = 0.0 if m is None else m
-    grow = top > ref + LAZY_SHIFT
-    if bool(grow.any()):  # a new maximum far above the shift: move the shift, rescale
-        m = torch.where(grow, top, ref)
-        alpha = torch.exp2(ref - m)  # 0 for rows blocked so far: clears their garbage
-        l, acc = l * alpha, acc * alpha.unsqueeze(-1)
-    p = s.exp2_() if m is None else s.sub_(m.unsqueeze(-1)).exp2_()
     return m, l + p.sum(dim=-1), torch.baddbmm(acc, p, v_t)
 
 
