@@ -36,9 +36,12 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/lint-imports
 
 test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check src tests benchmarks examples
+	# The layer contracts in pyproject.toml ([tool.importlinter]).
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 docs: $(STAMP)
