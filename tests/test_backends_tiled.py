@@ -10,14 +10,7 @@ import torch
 
 from attnkit import masks, scaled_dot_product_attention
 from attnkit.backends import BackendUnavailable
-from attnkit.backends.structure import (
-    all_of,
-    is_relative,
-    key_ranges,
-    relative,
-    tile_state,
-    with_structure,
-)
+from attnkit.masks import all_of, declare, relative, structure_of
 from attnkit.backends.tiled import backward_blocks, forward_blocks, merge, tiled_attention
 
 F64 = torch.float64
@@ -39,7 +32,7 @@ def _relative_alibi(b, h, i, j):  # the same values, declared relative: evaluate
     return _alibi(b, h, i, j)
 
 
-relative(_relative_alibi)
+_relative_alibi = relative(_relative_alibi)
 
 
 def _buckets(b, h, i, j):  # T5-style: exact distances below 4, then log-spaced, per direction
@@ -167,21 +160,20 @@ def test_unsupported_options_name_themselves() -> None:
 
 def test_structure_protocol_skips_tiles_without_evaluating() -> None:
     causal = masks.causal_fn(0)
-    assert tile_state(causal, 0, 4, 4, 8) is False
-    assert tile_state(causal, 4, 8, 0, 4) is True
-    assert tile_state(causal, 0, 4, 0, 4) is None
+    tile_state = structure_of(causal).classify
+    assert tile_state(0, 4, 4, 8) is False
+    assert tile_state(4, 8, 0, 4) is True
+    assert tile_state(0, 4, 0, 4) is None
     window = masks.window_fn(2, 0, 0)
-    assert key_ranges(window, 10, 14, 0, 100) == [(8, 14)]
-    assert key_ranges(all_of(window, causal), 10, 14, 0, 100) == [(8, 14)]
+    assert structure_of(window).visible_keys(10, 14, 0, 100) == [(8, 14)]
+    assert structure_of(all_of(window, causal)).visible_keys(10, 14, 0, 100) == [(8, 14)]
     calls = []
 
     def counted(b, h, i, j):
         calls.append(i.numel() * j.numel())
         return j <= i
 
-    declared = with_structure(
-        counted, tile=lambda i0, i1, j0, j1: tile_state(causal, i0, i1, j0, j1)
-    )
+    declared = declare(counted, tile=tile_state)
     q, k, v = _qkv(64, 64)
     out = tiled_attention(q, k, v, mask_fn=declared, block_q=16, block_k=16)
     ref = scaled_dot_product_attention(q, k, v, is_causal=True, backend="math")
@@ -267,18 +259,18 @@ def test_auto_routes_functions_to_tiled_and_plain_calls_to_torch() -> None:
 def test_underflowing_slices_are_skipped_without_changing_the_result(monkeypatch) -> None:
     """Steep ALiBi heads: distant tiles' weights all underflow, so ``needed`` drops those key
     heads; output and gradients still equal the float64 reference (GQA, b=2)."""
-    from attnkit.backends import tiled
+    from attnkit.backends.tiled import backward, forward, skipping
 
     calls: list[tuple[int, int]] = []  # (key heads needed, key heads)
-    original = tiled._Tiles.needed
 
-    def spy(self, q_norm, k_norm, bias, floor):
-        heads = original(self, q_norm, k_norm, bias, floor)
-        total = len(q_norm) // self.nb
+    def spy(tiles, q_norm, k_norm, bias, floor):
+        heads = skipping.needed(tiles, q_norm, k_norm, bias, floor)
+        total = len(q_norm) // tiles.nb
         calls.append((heads[1] - heads[0], total))
         return heads
 
-    monkeypatch.setattr(tiled._Tiles, "needed", spy)
+    monkeypatch.setattr(forward, "needed", spy)
+    monkeypatch.setattr(backward, "needed", spy)
 
     def steep_pair(b, h, i, j):  # heads 0-1 (key head 0) steep enough to underflow, 2-3 not
         return -torch.where(h < 2, 16.0, 0.125) * (i - j).abs()
@@ -329,17 +321,17 @@ def test_relative_bias_function_is_evaluated_once_per_pass() -> None:
         q, k, v = (t.requires_grad_() for t in _qkv(70, 45))
         out = tiled_attention(q, k, v, bias_fn=fn, block_q=16, block_k=16)
         results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
-        if is_relative(fn):
+        if structure_of(fn).relative:
             assert seen == [(1, 4, 1, 70 + 45 - 1)] * 2
         else:
             assert len(seen) == 2 * 5 * 3  # 5 query blocks x 3 key tiles, forward and backward
     for a, b_ in zip(*results, strict=True):
         torch.testing.assert_close(b_, a, atol=1e-12, rtol=1e-10)
-    assert not is_relative(counted) and not is_relative(None)
+    assert not structure_of(counted).relative and not structure_of(None).relative
 
 
 def test_sliding_max_equals_brute_force() -> None:
-    from attnkit.backends.tiled import _sliding_max
+    from attnkit.backends.tiled.relative import sliding_max as _sliding_max
 
     t = torch.randn(3, 50, dtype=F64, generator=torch.Generator().manual_seed(3))
     for w in (1, 2, 7, 10, 49, 50):
@@ -356,7 +348,7 @@ def test_relative_bias_function_of_the_wrong_shape_is_named() -> None:
 
 
 def test_odd_batches_are_split_without_changing_the_product() -> None:
-    from attnkit.backends.tiled import _bmm
+    from attnkit.backends.tiled.layout import bmm as _bmm
 
     g = torch.Generator().manual_seed(4)
     for n in (1, 2, 3, 5):
@@ -368,18 +360,18 @@ def test_odd_batches_are_split_without_changing_the_product() -> None:
 def test_skipping_negligible_heads_in_float32_stays_at_float32_accuracy(monkeypatch) -> None:
     """float32 drops slices whose weights are all below 2^-64 of their row's largest; the result
     still equals the float64 reference to float32 accuracy (gradients included)."""
-    from attnkit.backends import tiled
+    from attnkit.backends.tiled import backward, forward, skipping
     from attnkit.positional import alibi_fn
 
     kept: list[float] = []  # fraction of key heads computed, per tile
-    original = tiled._Tiles.needed
 
-    def spy(self, *args):
-        lo, hi = original(self, *args)
-        kept.append((hi - lo) / self.hk)
+    def spy(tiles, *args):
+        lo, hi = skipping.needed(tiles, *args)
+        kept.append((hi - lo) / tiles.hk)
         return lo, hi
 
-    monkeypatch.setattr(tiled._Tiles, "needed", spy)
+    monkeypatch.setattr(forward, "needed", spy)
+    monkeypatch.setattr(backward, "needed", spy)
     i, j = 700, 650
     q64, k64, v64 = _qkv(i, j, h=8, h_kv=4, d=16, dv=16, b=1)
     fn = alibi_fn(8, j - i)
@@ -405,21 +397,21 @@ def test_lazy_shift_handles_logits_far_from_zero(dtype, monkeypatch) -> None:
     when they leave +-40 bits. Huge logits, logits that grow block after block and logits far
     below zero all equal the float64 reference, masks and gradients included, and each of the
     shift's regimes really occurs."""
-    from attnkit.backends import tiled
+    from attnkit.backends.tiled import forward, softmax
 
     seen = set()
-    original = tiled._lazy_step
 
-    def spy(s, v_t, m, l, acc, small):
-        new = original(s, v_t, m, l, acc, small)
-        first = l is None
-        seen.add(("first" if first else "later", "zero" if new[0] is None else "shifted"))
+    def spy(state, s, small):
+        new = softmax.lazy_shift(state, s, small)
+        first = not state.started
+        seen.add(("first" if first else "later", "zero" if new is None else "shifted"))
         seen.add(("bounded", small))
-        if not first and m is not None and new[0] is not None and not torch.equal(m, new[0]):
+        m = state.m
+        if not first and m is not None and new is not None and not torch.equal(m, new):
             seen.add(("later", "moved"))
         return new
 
-    monkeypatch.setattr(tiled, "_lazy_step", spy)
+    monkeypatch.setattr(forward, "lazy_shift", spy)
     i, j, d = 150, 230, 8
     q64, k64, v64 = _qkv(i, j, h=2, h_kv=2, d=d, dv=4, b=2)
     grow = torch.linspace(0.2, 30.0, j, dtype=F64).view(1, 1, j, 1)  # later keys dominate

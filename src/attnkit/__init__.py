@@ -4,9 +4,11 @@ The public surface is re-exported here; everything else is reachable through its
 (``attnkit.masks``, ``attnkit.backends``, ...).
 """
 
-# backends before anything that imports attnkit.functional: backends.chunked imports functional,
-# which imports backends.registry, so loading functional first would be a circular import.
-from attnkit import backends, distributed, masks, models, train, viz
+import importlib
+
+# Importing the backends registers them; attnkit.functional registers "math".
+import attnkit.backends as backends
+import attnkit.masks as masks
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.backends import available_backends, register_backend
 from attnkit.backends.linear import linear_attention
@@ -32,6 +34,17 @@ from attnkit.positional import (
 )
 
 __version__ = "0.1.0"
+
+# Subpackages with heavier or optional dependencies load on first use: attnkit.models, .viz,
+# .train and .distributed (PEP 562).
+_LAZY = ("distributed", "models", "train", "viz")
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return importlib.import_module(f"attnkit.{name}")
+    raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
+
 
 __all__ = [
     "FeedForward",

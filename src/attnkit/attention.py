@@ -401,7 +401,6 @@ class MultiHeadAttention(nn.Module):
 
         The one place the math is called; subclasses (relative positions) override it.
         """
-        backend = "math" if need_weights and self.backend == "auto" else self.backend
         result = scaled_dot_product_attention(
             q,
             k,
@@ -411,7 +410,7 @@ class MultiHeadAttention(nn.Module):
             is_causal=is_causal,
             dropout_p=self.dropout if self.training else 0.0,
             return_weights=need_weights,
-            backend=backend,
+            backend=self.backend,
         )
         return result if isinstance(result, tuple) else (result, None)
 

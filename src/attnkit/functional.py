@@ -14,7 +14,7 @@ The reference (``attention_math``) is the specification every fast backend is te
     weights = dropout(weights)                # training only; the caller passes dropout_p=0 at eval
     output  = weights @ V                     # (..., h, i, dv)
 
-Why this order (the brief's tutorial 002 explains it too): the scale keeps softmax from saturating
+Why this order: the scale keeps softmax from saturating
 as ``d`` grows; the mask must come before softmax so blocked keys take no probability mass; dropout
 comes after softmax so it perturbs a distribution rather than the logits.
 
@@ -33,8 +33,9 @@ from numbers import Real
 import torch
 from torch import Tensor
 
-from attnkit.backends.registry import AttentionCall, get_backend, register_backend, select_backend
-from attnkit.masks import BiasFn, MaskFn
+from attnkit._numerics import blocked, compute_dtype
+from attnkit.masks import BiasFn, MaskFn, pad_to_rank
+from attnkit.registry import AttentionCall, get_backend, register_backend, select_backend
 
 __all__ = ["attention_math", "make_call", "scaled_dot_product_attention"]
 
@@ -220,7 +221,7 @@ def _check_broadcast(name: str, t: Tensor, score_shape: tuple[int, ...]) -> None
 
 def _grouped(t: Tensor, ndim: int, h_kv: int, g: int) -> Tensor:
     """View a tensor broadcastable to ``(..., h, i, j)`` as ``(..., h_kv, g, i, j)``, no copy."""
-    t = t.reshape((1,) * (ndim - t.ndim) + tuple(t.shape))  # pad to the scores' rank
+    t = pad_to_rank(t, ndim)
     if t.shape[-3] == 1:
         return t.unsqueeze(-3)  # (..., 1, 1, i, j)
     return t.unflatten(-3, (h_kv, g))  # (..., h_kv, g, i, j)
@@ -229,7 +230,7 @@ def _grouped(t: Tensor, ndim: int, h_kv: int, g: int) -> Tensor:
 def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     """The reference: every step visible, every other backend is tested against it."""
     q, k, v = call.query, call.key, call.value
-    compute = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 for float64 input
+    compute = compute_dtype(q.dtype)
     g = call.groups
     mask = call.dense_mask()
     bias = call.dense_bias(compute)
@@ -248,7 +249,7 @@ def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     if bias is not None:
         scores = scores + bias
     if mask is not None:
-        scores = scores.masked_fill(~mask, torch.finfo(compute).min)
+        scores = scores.masked_fill(~mask, blocked(compute))
     weights = torch.softmax(scores, dim=-1)
     if mask is not None:
         # A fully masked row softmaxes to uniform; multiplying by the mask makes it zero.

@@ -38,6 +38,16 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from attnkit._structure import (
+    Band,
+    Structure,
+    StructuredFn,
+    all_of,
+    declare,
+    relative,
+    structure_of,
+)
+
 MaskFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """``fn(b, h, i, j) -> bool``: index tensors in, ``True`` = may attend out."""
 
@@ -48,18 +58,26 @@ Align = Literal["bottom-right", "top-left"]
 
 __all__ = [
     "Align",
+    "Band",
     "BiasFn",
     "MaskFn",
+    "Structure",
+    "StructuredFn",
+    "all_of",
     "block_diagonal_mask",
     "causal_fn",
     "causal_mask",
     "causal_offset",
     "combine_masks",
+    "declare",
     "from_torch",
     "materialize",
+    "pad_to_rank",
     "padding_mask",
     "padding_mask_from_ids",
+    "relative",
     "sliding_window_mask",
+    "structure_of",
     "to_additive",
     "window_fn",
 ]
@@ -225,6 +243,12 @@ def from_torch(
     return combine_masks(*parts)
 
 
+def pad_to_rank(t: Tensor, ndim: int) -> Tensor:
+    """A mask or bias broadcastable to scores of rank ``ndim``, with leading singleton axes added
+    up to that rank (a view): ``(j,)`` -> ``(1, 1, 1, j)`` for ``ndim=4``."""
+    return t.reshape((1,) * (ndim - t.ndim) + tuple(t.shape))
+
+
 def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """Bool mask to additive float: ``0`` where allowed, the dtype's finite minimum where not.
 
@@ -241,28 +265,27 @@ def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
 # Mask functions: the same patterns as callables, for backends that work tile by tile.
 
 
-def causal_fn(offset: int = 0) -> MaskFn:
+def causal_fn(offset: int = 0) -> StructuredFn:
     """Causal mask as a function: key ``k`` visible from query ``q`` when ``k <= q + offset``.
 
-    ``offset = j - i`` gives bottom-right alignment, ``0`` top-left.
+    ``offset = j - i`` gives bottom-right alignment, ``0`` top-left. It declares itself a band
+    (``Structure``), so block backends skip the tiles above the diagonal unevaluated.
     """
 
     def causal(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
         return j <= i + offset
 
-    causal.causal_offset = offset  # type: ignore[attr-defined]  # lets block backends skip tiles
-    return causal
+    return declare(causal, band=Band(None, 0, offset))
 
 
-def window_fn(left: int, right: int = 0, offset: int = 0) -> MaskFn:
-    """Sliding window as a function (see ``sliding_window_mask``)."""
+def window_fn(left: int, right: int = 0, offset: int = 0) -> StructuredFn:
+    """Sliding window as a function (see ``sliding_window_mask``); declares its band."""
 
     def window(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
         distance = (i + offset) - j
         return (distance <= left) & (distance >= -right)
 
-    window.window = (left, right, offset)  # type: ignore[attr-defined]  # lets backends skip tiles
-    return window
+    return declare(window, band=Band(left, right, offset))
 
 
 def materialize(

@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnkit._numerics import compute_dtype
 from attnkit.attention import MultiHeadAttention
 from attnkit.functional import scaled_dot_product_attention
-from attnkit.masks import BiasFn, MaskFn, materialize
+from attnkit.masks import BiasFn, MaskFn, causal_offset, declare, materialize
 
 __all__ = [
     "LearnedPositionalEmbedding",
@@ -152,7 +153,7 @@ class RotaryEmbedding(nn.Module):
                 f"RoPE was built for head_dim={self.head_dim}, got x of shape {tuple(x.shape)}"
             )
         cos, sin = self.cos_sin(x.shape[-2], offset, device=x.device)
-        dtype = torch.promote_types(x.dtype, torch.float32)
+        dtype = compute_dtype(x.dtype)
         xf = x.to(dtype)
         x1, x2 = xf.chunk(2, dim=-1)  # (..., n, d/2) each
         rotated_half = torch.cat([-x2, x1], dim=-1)  # (..., n, d)
@@ -188,7 +189,7 @@ def alibi_fn(num_heads: int, offset: int = 0) -> BiasFn:
 
     ``offset`` is the position of query 0 among the keys: ``j - i`` (bottom-right, what a KV
     cache needs: the new queries are the last positions). No ``(i, j)`` tensor is built: it is
-    declared ``relative`` (``backends.structure``), so the tiled backend evaluates it once per
+    declared ``relative`` (``masks.Structure``), so the tiled backend evaluates it once per
     call on the ``n_i + n_j - 1`` offsets and reads each tile as a view of them. In causal
     attention only ``j <= i + offset`` is ever used, which is the paper's ``-m (i - j)``; the
     absolute value extends it symmetrically to bidirectional encoders.
@@ -203,10 +204,7 @@ def alibi_fn(num_heads: int, offset: int = 0) -> BiasFn:
         distance = (i + offset - j).abs().to(torch.float32)
         return -s[h] * distance
 
-    alibi.alibi_slopes = slopes  # type: ignore[attr-defined]
-    alibi.alibi_offset = offset  # type: ignore[attr-defined]
-    alibi.relative = True  # type: ignore[attr-defined]  # depends on j - i only (structure.relative)
-    return alibi
+    return declare(alibi, relative=True)  # depends on h and j - i only
 
 
 def alibi_bias(
@@ -223,7 +221,7 @@ def alibi_bias(
     ``offset`` defaults to ``n_keys - n_queries`` (bottom-right alignment).
     """
     n_keys = n_queries if n_keys is None else n_keys
-    offset = n_keys - n_queries if offset is None else offset
+    offset = causal_offset(n_queries, n_keys) if offset is None else offset
     slopes = alibi_slopes(num_heads).to(device=device, dtype=dtype)
     i = torch.arange(n_queries, device=device).view(-1, 1)  # (i, 1)
     j = torch.arange(n_keys, device=device).view(1, -1)  # (1, j)
@@ -293,7 +291,7 @@ class RelativePositionAttention(MultiHeadAttention):
         self, n_queries: int, n_keys: int, device: torch.device | str | None = None
     ) -> Tensor:
         """Bucket ``clip(j - i) + max_distance`` of every query/key pair, ``(i, j)`` int64."""
-        offset = n_keys - n_queries  # query t sits at key position t + offset
+        offset = causal_offset(n_queries, n_keys)  # query t sits at key position t + offset
         i = torch.arange(n_queries, device=device).view(-1, 1) + offset  # (i, 1)
         j = torch.arange(n_keys, device=device).view(1, -1)  # (1, j)
         k = self.max_distance
@@ -312,7 +310,7 @@ class RelativePositionAttention(MultiHeadAttention):
     ) -> tuple[Tensor, Tensor | None]:
         b, h, i, d = q.shape
         h_kv, j = k.shape[1], k.shape[2]
-        compute = torch.promote_types(q.dtype, torch.float32)
+        compute = compute_dtype(q.dtype)
         idx = self.relative_index(i, j, q.device).expand(b, h, i, j)  # (b, h, i, j)
         rel_scores = q.to(compute) @ self.rel_key.to(compute).T  # (b, h, i, 2k+1)
         key_term = rel_scores.gather(-1, idx) / math.sqrt(d)  # (b, h, i, j)

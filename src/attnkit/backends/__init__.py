@@ -1,6 +1,8 @@
-"""Attention backends: one algorithm per file, one signature, registered by name.
+"""Attention backends: one algorithm per file (or folder), one signature, registered by name.
 
-See ``registry.py`` for the contract. The reference math lives in ``attnkit.functional``.
+See ``attnkit.registry`` for the contract. The reference math lives in ``attnkit.functional``.
+Importing this package registers "chunked", "sparse", "tiled" and "torch" ("math" is registered
+by ``attnkit.functional``).
 """
 
 from attnkit.backends import (
@@ -9,7 +11,7 @@ from attnkit.backends import (
     tiled,  # noqa: F401  (registers "tiled")
     torch_sdpa,  # noqa: F401  (registers "torch")
 )
-from attnkit.backends.registry import (
+from attnkit.registry import (
     AUTO_ORDER,
     AttentionCall,
     Backend,
@@ -18,6 +20,7 @@ from attnkit.backends.registry import (
     get_backend,
     register_backend,
     select_backend,
+    use,
 )
 
 __all__ = [
@@ -29,4 +32,5 @@ __all__ = [
     "get_backend",
     "register_backend",
     "select_backend",
+    "use",
 ]

@@ -20,8 +20,9 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from attnkit.backends.registry import AttentionCall, BackendUnavailable, register_backend
 from attnkit.functional import attention_math
+from attnkit.masks import causal_offset
+from attnkit.registry import AttentionCall, register_backend
 
 __all__ = ["BUDGET", "chunked_attention"]
 
@@ -67,7 +68,7 @@ def chunked_attention(call: AttentionCall, chunk_size: int | None = None) -> Ten
         i1 = min(ni, i0 + chunk_size)
         mask = _shifted(call.mask, i0) if callable(call.mask) else _rows(call.mask, i0, i1)
         if call.is_causal:  # bottom-right over the whole call: query i0 + r sees k <= i0 + r + off
-            off = i0 + nj - ni
+            off = i0 + causal_offset(ni, nj)
             if callable(mask):
                 mask = _and_causal(mask, off)
             else:
@@ -96,9 +97,6 @@ def _and_causal(fn, offset: int):
 
 
 def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-    reason = why_not(call)
-    if reason is not None:
-        raise BackendUnavailable(f"backend 'chunked' cannot serve this call: {reason}")
     return chunked_attention(call), None
 
 

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit._numerics import compute_dtype
+
 __all__ = ["feature_map", "linear_attention", "linear_attention_quadratic"]
 
 
@@ -73,7 +75,7 @@ def linear_attention(
     the denominator. Differentiable; computed in float32 (float64 stays float64).
     """
     g = _check(query, key, value, is_causal)
-    compute = torch.promote_types(query.dtype, torch.float32)
+    compute = compute_dtype(query.dtype)
     b, h, ni, d = query.shape
     hk, nj, dv = key.shape[1], key.shape[2], value.shape[-1]
     pq = feature_map(query.to(compute)).view(b, hk, g, ni, d)  # (b, h_kv, g, i, d)

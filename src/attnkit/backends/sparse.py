@@ -3,7 +3,7 @@
 Sparse Transformers (Child et al. 2019, arXiv:1904.10509) and Longformer (Beltagy et al. 2020,
 arXiv:2004.05150) restrict each query to a few keys: a sliding window, a dilated or strided set
 of blocks. The cost should grow with the kept blocks, not with ``n^2``. Here a layout is a mask
-*function* that declares its structure (``attnkit.backends.structure``): for each block of
+*function* that declares its structure (``attnkit.masks.Structure``): for each block of
 queries it lists the key ranges it keeps. The backend visits only those ranges, gathering the
 kept K/V blocks of a query block into one group (one matmul instead of many small ones), and
 runs the tiled engine on them (``attnkit.backends.tiled``: online softmax, recomputing
@@ -32,11 +32,11 @@ import math
 import torch
 from torch import Tensor
 
-from attnkit.backends.registry import AttentionCall, BackendUnavailable, register_backend
-from attnkit.backends.structure import with_structure
+from attnkit._numerics import blocked, compute_dtype
 from attnkit.backends.tiled import run_call
 from attnkit.backends.tiled import why_not as tiled_why_not
-from attnkit.masks import MaskFn, window_fn
+from attnkit.masks import MaskFn, causal_offset, declare, pad_to_rank, structure_of, window_fn
+from attnkit.registry import AttentionCall, register_backend
 
 __all__ = [
     "block_sparse",
@@ -46,7 +46,7 @@ __all__ = [
     "topk_attention",
 ]
 
-WINDOW_BLOCK = 128  # tile size for windows: the prototype found ~128 best for them
+WINDOW_BLOCK = 128  # tile size for windows and other layouts that declare none
 
 
 def sliding_window(left: int, right: int = 0, offset: int = 0) -> MaskFn:
@@ -88,7 +88,6 @@ def block_sparse(layout: Tensor, block: int) -> MaskFn:
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
     nqb, nkb = layout.shape
-    rows = [[J for J in range(nkb) if layout[I, J]] for I in range(nqb)]  # kept blocks, as ints
     padded = torch.nn.functional.pad(layout, (0, 1, 0, 1))  # out-of-range index -> False
 
     def mask(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
@@ -96,59 +95,24 @@ def block_sparse(layout: Tensor, block: int) -> MaskFn:
         J = (j // block).clamp(0, nkb)
         return padded.to(i.device)[I, J]
 
-    def kept(i0: int, i1: int) -> list[int]:
-        blocks: set[int] = set()
-        for I in range(max(i0, 0) // block, min(i1 - 1, nqb * block - 1) // block + 1):
-            blocks.update(rows[I])
-        return sorted(blocks)
-
-    def key_ranges(i0: int, i1: int, j0: int, j1: int) -> list[tuple[int, int]]:
-        ranges: list[tuple[int, int]] = []
-        for J in kept(i0, i1):
-            lo, hi = max(j0, J * block), min(j1, (J + 1) * block)
-            if hi <= lo:
-                continue
-            if ranges and ranges[-1][1] == lo:
-                ranges[-1] = (ranges[-1][0], hi)
-            else:
-                ranges.append((lo, hi))
-        return ranges
-
-    def tile(i0: int, i1: int, j0: int, j1: int) -> bool | None:
-        if i0 < 0 or j0 < 0 or i1 > nqb * block or j1 > nkb * block:
-            return None
-        cells = layout[i0 // block : (i1 - 1) // block + 1, j0 // block : (j1 - 1) // block + 1]
-        if not bool(cells.any()):
-            return False
-        return True if bool(cells.all()) else None
-
-    fn = with_structure(mask, tile=tile, key_ranges=key_ranges)
-    fn.block = block  # type: ignore[attr-defined]  # the sparse backend tiles at this size
-    return fn
-
-
-def _structured(fn: object) -> bool:
-    return any(hasattr(fn, a) for a in ("key_ranges", "window", "causal_offset"))
+    return declare(mask, layout=layout.cpu(), block=block)
 
 
 def why_not(call: AttentionCall) -> str | None:
     reason = tiled_why_not(call)
     if reason is not None:
         return reason
-    if not (callable(call.mask) and _structured(call.mask)):
+    if not (callable(call.mask) and structure_of(call.mask).skips):
         return (
             "the sparse backend needs a mask function that declares its layout (sliding_window, "
-            "block_sparse, masks.window_fn or one with key_ranges, see backends.structure); "
+            "block_sparse, masks.window_fn or one declared with masks.declare); "
             "use backend='tiled' for other masks"
         )
     return None
 
 
 def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-    reason = why_not(call)
-    if reason is not None:
-        raise BackendUnavailable(f"backend 'sparse' cannot serve this call: {reason}")
-    block = getattr(call.mask, "block", WINDOW_BLOCK)
+    block = structure_of(call.mask).block or WINDOW_BLOCK
     return run_call(call, block_q=block, block_k=block, gather=True), None
 
 
@@ -188,8 +152,8 @@ def topk_attention(
     g = h // key.shape[1]
     k_eff = min(top_k, nj)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    compute = torch.promote_types(query.dtype, torch.float32)
-    blocked = torch.finfo(compute).min
+    compute = compute_dtype(query.dtype)
+    floor = blocked(compute)
     k = key.to(compute).repeat_interleave(g, dim=1) if g > 1 else key.to(compute)  # (b, h, j, d)
     v = value.to(compute).repeat_interleave(g, dim=1) if g > 1 else value.to(compute)
     v_flat = v.reshape(b * h * nj, dv)  # (b * h * j, dv): one row per (batch, head, key)
@@ -200,16 +164,16 @@ def topk_attention(
         s = query[:, :, i0:i1].to(compute) @ k.transpose(-2, -1) * scale  # (b, h, c, j)
         allowed = None
         if mask is not None:
-            m = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+            m = pad_to_rank(mask, 4)
             allowed = m[:, :, i0:i1] if m.shape[2] != 1 else m
         if is_causal:
-            i = torch.arange(i0, i1, device=query.device).view(-1, 1) + (nj - ni)
+            i = torch.arange(i0, i1, device=query.device).view(-1, 1) + causal_offset(ni, nj)
             causal = torch.arange(nj, device=query.device).view(1, -1) <= i
             allowed = causal if allowed is None else allowed & causal
         if allowed is not None:
-            s = s.masked_fill(~allowed, blocked)
+            s = s.masked_fill(~allowed, floor)
         vals, idx = s.topk(k_eff, dim=-1)  # (b, h, c, k)
-        visible = vals > blocked
+        visible = vals > floor
         m = vals.amax(dim=-1, keepdim=True)
         w = torch.exp(vals - m) * visible  # blocked entries (fewer than k visible) weigh 0
         w = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(compute).tiny)

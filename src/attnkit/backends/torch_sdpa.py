@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.backends.registry import AttentionCall, register_backend
+from attnkit._numerics import blocked
+from attnkit.masks import pad_to_rank
+from attnkit.registry import AttentionCall, register_backend
 
 # enable_gqa arrived in torch 2.5; the builtin has no inspectable signature, so read the version.
 _HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -47,9 +49,9 @@ def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
 
     # torch's kernel wants masks with the query's rank; pad broadcastable ones like (j,).
     if mask is not None:
-        mask = mask.reshape((1,) * (q.ndim - mask.ndim) + tuple(mask.shape))
+        mask = pad_to_rank(mask, q.ndim)
     if bias is not None:
-        bias = bias.reshape((1,) * (q.ndim - bias.ndim) + tuple(bias.shape))
+        bias = pad_to_rank(bias, q.ndim)
 
     row_has_key = None
     if mask is not None:
@@ -60,8 +62,7 @@ def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
             mask = mask | ~row_has_key  # a fully masked row attends everywhere; zeroed below
     attn_mask = mask
     if bias is not None:
-        blocked = torch.finfo(q.dtype).min
-        attn_mask = bias if mask is None else torch.where(mask, bias, blocked)
+        attn_mask = bias if mask is None else torch.where(mask, bias, blocked(q.dtype))
     output = F.scaled_dot_product_attention(
         q,
         k,

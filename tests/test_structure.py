@@ -8,7 +8,15 @@ import torch
 
 from attnkit import masks
 from attnkit.backends.sparse import block_sparse, strided_layout
-from attnkit.backends.structure import all_of, key_ranges, tile_state
+from attnkit.masks import all_of, structure_of
+
+
+def tile_state(fn, i0, i1, j0, j1):
+    return structure_of(fn).classify(i0, i1, j0, j1)
+
+
+def key_ranges(fn, i0, i1, j0, j1):
+    return structure_of(fn).visible_keys(i0, i1, j0, j1)
 
 
 def _brute(fn, i0, i1, j0, j1):

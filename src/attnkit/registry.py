@@ -7,12 +7,21 @@ A backend is registered under a name with two functions:
   (``None`` when it can).
 
 ``scaled_dot_product_attention(..., backend="name")`` looks the name up here; ``backend="auto"``
-walks ``AUTO_ORDER`` and takes the first backend whose ``why_not`` is ``None``.
+walks ``AUTO_ORDER`` and takes the first backend whose ``why_not`` is ``None``. The registry
+alone decides routing, for example that a call asking for the attention weights goes to the
+reference math (the fast backends say why they cannot return them); modules only pass names.
+The registry checks ``why_not`` once, before ``run``: a backend's ``run`` may assume it can
+serve the call.
+
+``use(name)`` runs every attention call inside a ``with`` block on one backend, whatever the
+call or the module names (``with use("math"): model(x)`` to read weights off any model).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +38,7 @@ __all__ = [
     "get_backend",
     "register_backend",
     "select_backend",
+    "use",
 ]
 
 
@@ -149,8 +159,34 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"backend must be one of {known}; got {name!r}") from None
 
 
+_FORCED: ContextVar[str | None] = ContextVar("attnkit_backend", default=None)
+
+
+@contextlib.contextmanager
+def use(name: str) -> Iterator[None]:
+    """Run every attention call in the ``with`` block on backend ``name`` (or ``"auto"``).
+
+    Overrides the backend a call or a module names, for this thread or task only; blocks
+    nest, the innermost wins. An unknown name fails here, before the block runs.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"backend name must be a string, got {type(name).__name__}")
+    if name != "auto":
+        get_backend(name)
+    token = _FORCED.set(name)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
 def select_backend(name: str, call: AttentionCall) -> Backend:
-    """The backend that will serve ``call``: the named one, or the first that can for ``"auto"``."""
+    """The backend that will serve ``call``: the named one, or the first that can for ``"auto"``.
+
+    Inside ``use(other)`` the name is ``other``. Raises ``BackendUnavailable`` with the
+    reasons when no backend can serve the call.
+    """
+    name = _FORCED.get() or name
     if name == "auto":
         reasons = []
         for candidate in AUTO_ORDER:

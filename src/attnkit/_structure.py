@@ -1,0 +1,274 @@
+"""Structure: what a mask or bias function declares about itself (re-exported by ``masks``).
+
+A mask function is a black box: to know where it is True a backend would have to evaluate it on
+every ``(i, j)``. Block backends (``tiled``, ``sparse``) evaluate it one tile at a time and skip
+tiles that come out all False; a function that *declares its structure* lets them do better:
+skip whole tiles without evaluating anything, and not even visit key ranges that no query of a
+block can see. The declaration is data attached to the function (``StructuredFn``), as
+FlexAttention's ``BlockMask`` is, and prints itself (``Structure.to_string``). Everything here
+is plain Python on integers: it costs nothing next to a tile's matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from torch import Tensor
+
+__all__ = ["Band", "Structure", "StructuredFn", "all_of", "declare", "relative", "structure_of"]
+
+IndexFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+"""``fn(b, h, i, j)``: a mask function (bool out) or a bias function (float out)."""
+
+TileFn = Callable[[int, int, int, int], "bool | None"]
+"""``tile(i0, i1, j0, j1)``: True = every query of ``[i0, i1)`` sees every key of ``[j0, j1)``,
+False = none does, None = mixed or unknown."""
+RangesFn = Callable[[int, int, int, int], list[tuple[int, int]]]
+"""``ranges(i0, i1, j0, j1)``: the sorted, disjoint sub-ranges of keys ``[j0, j1)`` that some
+query of ``[i0, i1)`` may see."""
+
+
+@dataclass(frozen=True)
+class Band:
+    """Key ``k`` is visible from query ``q`` only when ``-right <= (q + offset) - k <= left``.
+
+    ``left``: most keys behind the query, ``right``: most keys ahead (``None``: unbounded).
+    Causal is ``Band(None, 0, offset)``; a causal window of ``w`` keys ``Band(w - 1, 0)``.
+    """
+
+    left: int | None
+    right: int | None
+    offset: int = 0
+
+    def __str__(self) -> str:
+        if self.left is None and self.right == 0:
+            return f"causal (k <= q + {self.offset})"
+        left = "inf" if self.left is None else self.left
+        right = "inf" if self.right is None else self.right
+        return f"band (left {left}, right {right}, offset {self.offset})"
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What a mask or bias function promises about itself; positions are absolute.
+
+    Every field is optional, and an empty ``Structure()`` promises nothing (the function is
+    evaluated on every tile). Promises must hold for every batch and head.
+
+    * ``band``: the function is False outside this band (``causal_fn``, ``window_fn``).
+    * ``layout`` and ``block``: the function is False outside the blocks where the bool
+      ``layout`` ``(query blocks, key blocks)`` is True, blocks of ``block`` positions
+      (``backends.sparse.block_sparse``). ``block`` alone is a preferred tile size.
+    * ``tile`` / ``ranges``: custom classifiers (see ``TileFn`` and ``RangesFn``) for layouts
+      neither a band nor a block layout can say.
+    * ``parts``: the function is the AND of functions with these structures (``all_of``).
+    * ``relative``: a *bias* function that depends only on the head ``h`` and ``j - i`` (ALiBi,
+      T5-style buckets). The tiled backend then evaluates it once per call on the
+      ``n_i + n_j - 1`` offsets instead of once per tile. Declaring it for a function that
+      also depends on ``b`` or on absolute positions gives wrong results.
+
+    ``classify`` and ``visible_keys`` answer for a tile; ``to_string`` draws the tile layout.
+    """
+
+    band: Band | None = None
+    layout: Tensor | None = field(default=None, compare=False)
+    block: int | None = None
+    tile: TileFn | None = field(default=None, compare=False)
+    ranges: RangesFn | None = field(default=None, compare=False)
+    parts: tuple[Structure, ...] = ()
+    relative: bool = False
+
+    @property
+    def skips(self) -> bool:
+        """Whether this structure can rule out keys without evaluating the function."""
+        return (
+            self.band is not None
+            or self.layout is not None
+            or self.tile is not None
+            or self.ranges is not None
+            or any(p.skips for p in self.parts)
+        )
+
+    def classify(self, i0: int, i1: int, j0: int, j1: int) -> bool | None:
+        """The tile queries ``[i0, i1)`` x keys ``[j0, j1)``: all visible (True), none (False),
+        or mixed / unknown (None)."""
+        states = [p.classify(i0, i1, j0, j1) for p in self.parts]
+        if self.tile is not None:
+            states.append(self.tile(i0, i1, j0, j1))
+        if self.band is not None:
+            states.append(_band_state(self.band, i0, i1, j0, j1))
+        if self.layout is not None:
+            states.append(_layout_state(self, i0, i1, j0, j1))
+        if any(s is False for s in states):
+            return False
+        return True if states and all(s is True for s in states) else None
+
+    def visible_keys(self, i0: int, i1: int, j0: int, j1: int) -> list[tuple[int, int]]:
+        """The sorted, disjoint parts of keys ``[j0, j1)`` that some query of ``[i0, i1)`` may
+        see (all of them when nothing is declared)."""
+        current = [(j0, j1)] if j1 > j0 else []
+        steps: list[RangesFn] = [p.visible_keys for p in self.parts]
+        if self.ranges is not None:
+            steps.append(self.ranges)
+        if self.band is not None:
+            steps.append(functools.partial(_band_keys, self.band))
+        if self.layout is not None:
+            steps.append(functools.partial(_layout_keys, self))
+        for step in steps:
+            current = [r for lo, hi in current for r in step(i0, i1, lo, hi)]
+        return current
+
+    def to_string(self, n_queries: int, n_keys: int, block: int = 128) -> str:
+        """The tiles of an ``n_queries x n_keys`` call, ``block`` positions a side, one
+        character each: ``█`` every key visible, ``░`` partly or unknown, `` `` none (skipped)."""
+        chars = {True: "█", None: "░", False: " "}
+        lines = [f"{self}; {n_queries} x {n_keys}, tiles of {block}:"]
+        for i0 in range(0, n_queries, block):
+            i1 = min(n_queries, i0 + block)
+            row = "".join(
+                chars[self.classify(i0, i1, j0, min(n_keys, j0 + block))]
+                for j0 in range(0, n_keys, block)
+            )
+            lines.append(f"|{row}|")
+        return "\n".join(lines)
+
+    def sparsity(self, n_queries: int, n_keys: int, block: int = 128) -> float:
+        """The fraction of ``block x block`` tiles skipped unevaluated (0 when none is)."""
+        states = [
+            self.classify(i0, min(n_queries, i0 + block), j0, min(n_keys, j0 + block))
+            for i0 in range(0, n_queries, block)
+            for j0 in range(0, n_keys, block)
+        ]
+        return sum(s is False for s in states) / max(1, len(states))
+
+    def __str__(self) -> str:
+        words = [str(p) for p in self.parts]
+        if self.band is not None:
+            words.append(str(self.band))
+        if self.layout is not None:
+            nq, nk = self.layout.shape
+            words.append(f"block layout {nq} x {nk} of {self.block}")
+        elif self.block is not None:
+            words.append(f"tiles of {self.block}")
+        if self.tile is not None or self.ranges is not None:
+            words.append("custom tiles")
+        if self.relative:
+            words.append("relative (depends on h and j - i only)")
+        if not words:
+            return "no structure"
+        return words[0] if len(words) == 1 else "all of (" + ", ".join(words) + ")"
+
+    @functools.cached_property
+    def _layout_rows(self) -> list[list[int]]:
+        """The kept key blocks of each query block, as ints (a layout's ``visible_keys``)."""
+        assert self.layout is not None
+        return [row.nonzero().flatten().tolist() for row in self.layout]
+
+
+def _band_state(band: Band, i0: int, i1: int, j0: int, j1: int) -> bool | None:
+    left, right, offset = band.left, band.right, band.offset
+    near = (i0 + offset) - (j1 - 1)  # smallest distance (query ahead of key) in the tile
+    far = (i1 - 1 + offset) - j0  # largest distance
+    if (right is not None and far < -right) or (left is not None and near > left):
+        return False
+    if (right is None or near >= -right) and (left is None or far <= left):
+        return True
+    return None
+
+
+def _band_keys(band: Band, i0: int, i1: int, j0: int, j1: int) -> list[tuple[int, int]]:
+    lo = j0 if band.left is None else max(j0, i0 + band.offset - band.left)
+    hi = j1 if band.right is None else min(j1, i1 - 1 + band.offset + band.right + 1)
+    return [(lo, hi)] if hi > lo else []
+
+
+def _layout_state(s: Structure, i0: int, i1: int, j0: int, j1: int) -> bool | None:
+    assert s.layout is not None and s.block is not None
+    nqb, nkb = s.layout.shape
+    if i0 < 0 or j0 < 0 or i1 > nqb * s.block or j1 > nkb * s.block:
+        return None
+    block = s.block
+    cells = s.layout[i0 // block : (i1 - 1) // block + 1, j0 // block : (j1 - 1) // block + 1]
+    if not bool(cells.any()):
+        return False
+    return True if bool(cells.all()) else None
+
+
+def _layout_keys(s: Structure, i0: int, i1: int, j0: int, j1: int) -> list[tuple[int, int]]:
+    assert s.layout is not None and s.block is not None
+    block, rows = s.block, s._layout_rows
+    kept: set[int] = set()
+    for row in range(max(i0, 0) // block, min(i1 - 1, len(rows) * block - 1) // block + 1):
+        kept.update(rows[row])
+    ranges: list[tuple[int, int]] = []
+    for col in sorted(kept):
+        lo, hi = max(j0, col * block), min(j1, (col + 1) * block)
+        if hi <= lo:
+            continue
+        if ranges and ranges[-1][1] == lo:
+            ranges[-1] = (ranges[-1][0], hi)
+        else:
+            ranges.append((lo, hi))
+    return ranges
+
+
+@dataclass(frozen=True, eq=False)
+class StructuredFn:
+    """A mask or bias function with its declared ``Structure``; called like the function."""
+
+    fn: IndexFn
+    structure: Structure
+
+    def __call__(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return self.fn(b, h, i, j)
+
+    @property
+    def __name__(self) -> str:  # reads like the function it wraps
+        return getattr(self.fn, "__name__", type(self.fn).__name__)
+
+    def __str__(self) -> str:
+        return f"{self.__name__}: {self.structure}"
+
+
+def declare(
+    fn: IndexFn,
+    structure: Structure | None = None,
+    **fields: object,
+) -> StructuredFn:
+    """``fn`` with a declared structure: ``declare(fn, band=Band(3, 0))``, or a ``Structure``.
+
+    Fields given as keywords replace those of ``structure`` (and of ``fn``'s own, when ``fn``
+    already declares one).
+    """
+    base = structure_of(fn) if structure is None else structure
+    inner = fn.fn if isinstance(fn, StructuredFn) else fn
+    return StructuredFn(inner, replace(base, **fields))  # type: ignore[arg-type]
+
+
+def relative(fn: IndexFn) -> StructuredFn:
+    """Declare that the bias function ``fn(b, h, i, j)`` depends only on ``h`` and ``j - i``."""
+    return declare(fn, relative=True)
+
+
+def structure_of(fn: object) -> Structure:
+    """What ``fn`` declares (``StructuredFn``), or an empty ``Structure`` for anything else."""
+    return fn.structure if isinstance(fn, StructuredFn) else Structure()
+
+
+def all_of(*fns: IndexFn | None) -> IndexFn | None:
+    """The AND of mask functions (``None`` entries skipped), keeping their structure."""
+    parts = [f for f in fns if f is not None]
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+
+    def mask(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        result = parts[0](b, h, i, j)
+        for f in parts[1:]:
+            result = result & f(b, h, i, j)
+        return result
+
+    return declare(mask, Structure(parts=tuple(structure_of(f) for f in parts)))

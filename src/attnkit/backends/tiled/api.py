@@ -1,0 +1,256 @@
+"""The tiled backend's entry points: the differentiable whole, the block steps for ring
+attention, and the registry entries."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from attnkit.backends.tiled.backward import backward
+from attnkit.backends.tiled.forward import forward
+from attnkit.backends.tiled.tiles import Spec, tile_sizes
+from attnkit.masks import BiasFn, MaskFn, all_of, causal_fn, causal_offset, pad_to_rank
+from attnkit.registry import AttentionCall, register_backend
+
+__all__ = ["backward_blocks", "forward_blocks", "run_call", "tiled_attention", "why_not"]
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Forward saves only q, k, v, the output and the log-sum-exp; backward recomputes tiles."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, spec: Spec):  # type: ignore[override]
+        spec = replace(spec, bias=bias)
+        out, lse = forward(q, k, v, spec)
+        out = out.to(q.dtype)
+        ctx.spec = spec
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        spec = replace(ctx.spec, bias=bias)
+        want_dbias = bias is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = backward(q, k, v, out, lse, grad_out, spec, want_dbias)
+        if dbias is not None:
+            dbias = dbias.to(bias.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, None
+
+
+def _pad4(t: Tensor | None) -> Tensor | None:
+    return None if t is None else pad_to_rank(t, 4)
+
+
+def tiled_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float | None = None,
+    mask: Tensor | None = None,
+    mask_fn: MaskFn | None = None,
+    bias: Tensor | None = None,
+    bias_fn: BiasFn | None = None,
+    is_causal: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    gather: bool = False,
+) -> Tensor:
+    """Differentiable tiled attention on 4-D inputs ``(b, h, i, d)``, ``k, v (b, h_kv, j, d)``.
+
+    ``mask``/``bias``: bool/float tensors broadcastable to ``(b, h, i, j)``; ``mask_fn`` and
+    ``bias_fn``: functions ``fn(b, h, i, j)`` evaluated per tile. ``is_causal`` is aligned
+    bottom-right (as ``scaled_dot_product_attention``). Gradients flow to ``q``, ``k``, ``v``
+    and a ``bias`` tensor, not into a bias function's parameters. ``gather=True`` visits all
+    the key ranges a query block may see as one group (gathered when they are not contiguous):
+    fewer, larger matmuls for sparse layouts (the ``sparse`` backend).
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if is_causal:
+        mask_fn = all_of(mask_fn, causal_fn(causal_offset(q.shape[2], k.shape[2])))
+    block_q, block_k = tile_sizes(block_q, block_k, bias is not None or bias_fn is not None)
+    spec = Spec(
+        scale, _pad4(mask), mask_fn, None, bias_fn, block_q=block_q, block_k=block_k, gather=gather
+    )
+    return _TiledAttention.apply(q, k, v, _pad4(bias), spec)
+
+
+def forward_blocks(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    mask: Tensor | None = None,
+    mask_fn: MaskFn | None = None,
+    bias: Tensor | None = None,
+    bias_fn: BiasFn | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention of ``q`` over one shard of keys: the normalised output and the log-sum-exp.
+
+    Args:
+        q: ``(b, h, i, d)``; k: ``(b, h_kv, j, d)``; v: ``(b, h_kv, j, dv)``, ``h_kv`` dividing
+            ``h``. No autograd (use ``tiled_attention`` for a differentiable call).
+        scale: multiplies ``q @ k^T``.
+        mask / bias: bool / float tensors broadcastable to this shard's ``(b, h, i, j)``.
+        mask_fn / bias_fn: functions ``fn(b, h, i, j)`` of *absolute* positions: query ``r`` of
+            ``q`` is position ``q_offset + r``, key ``c`` of ``k`` is ``k_offset + c``. Causal
+            attention over shards is ``mask_fn=masks.causal_fn(offset)`` with global positions.
+        block_q, block_k: tile sizes (``None``: ``BLOCK_Q x BLOCK_K``; ``BLOCK_Q_BIAS x
+            BLOCK_K_BIAS`` with a bias).
+
+    Returns:
+        ``out (b, h, i, dv)`` in the compute dtype (float32, float64 for float64 inputs) and
+        ``lse (b, h, i)``, the natural log-sum-exp of each row's scaled, biased scores over the
+        visible keys of this shard. A row that sees no key here has ``out = 0`` and
+        ``lse = finfo(dtype).min`` (finite), which ``merge`` treats as "no contribution".
+    """
+    spec = _block_spec(scale, mask, mask_fn, bias, bias_fn, q_offset, k_offset, block_q, block_k)
+    with torch.no_grad():  # the block step is the math of a backward, never differentiated
+        return forward(q, k, v, spec)
+
+
+def backward_blocks(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad_out: Tensor,
+    *,
+    scale: float,
+    mask: Tensor | None = None,
+    mask_fn: MaskFn | None = None,
+    bias: Tensor | None = None,
+    bias_fn: BiasFn | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients for one K/V shard, given the *global* ``out`` and ``lse`` of these queries.
+
+    ``out``/``lse`` are the final results over all shards (after ``merge``), ``grad_out`` the
+    gradient of the loss with respect to ``out``. Returns ``dq`` (this shard's contribution:
+    sum it over shards), ``dk`` and ``dv`` (complete for this shard), in the compute dtype.
+    Other arguments as in ``forward_blocks``.
+    """
+    spec = _block_spec(scale, mask, mask_fn, bias, bias_fn, q_offset, k_offset, block_q, block_k)
+    with torch.no_grad():
+        dq, dk, dv, _ = backward(q, k, v, out, lse, grad_out, spec, want_dbias=False)
+    return dq, dk, dv
+
+
+def _block_spec(
+    scale: float,
+    mask: Tensor | None,
+    mask_fn: MaskFn | None,
+    bias: Tensor | None,
+    bias_fn: BiasFn | None,
+    q_offset: int,
+    k_offset: int,
+    block_q: int | None,
+    block_k: int | None,
+) -> Spec:
+    block_q, block_k = tile_sizes(block_q, block_k, bias is not None or bias_fn is not None)
+    return Spec(
+        scale, _pad4(mask), mask_fn, _pad4(bias), bias_fn, q_offset, k_offset, block_q, block_k
+    )
+
+
+# The registry entry: AttentionCall (any leading dims) -> 4-D tiled_attention.
+
+
+def _as4d(t: Tensor, ndim: int, lead: tuple[int, ...]) -> Tensor:
+    """A tensor broadcastable to (*lead, h, i, x), as 4-D (b, h, i, x) with b = prod(lead)."""
+    t = pad_to_rank(t, ndim)
+    if ndim <= 4:
+        return pad_to_rank(t, 4)
+    if all(s == 1 for s in t.shape[:-3]):
+        return t.reshape(1, *t.shape[-3:])
+    t = t.expand(*lead, *t.shape[-3:])  # a broadcast leading axis is copied here, only here
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def why_not(call: AttentionCall) -> str | None:
+    if call.return_weights:
+        return "return_weights=True: the tiled backend never builds the attention weights"
+    if call.dropout_p > 0.0:
+        return (
+            f"dropout_p={call.dropout_p}: the tiled backend cannot replay a dropout mask tile by "
+            "tile in its backward; use backend='math' or 'torch' for dropout"
+        )
+    if callable(call.bias) and torch.is_grad_enabled():
+        probe = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=call.query.device)
+        if call.bias(probe, probe, probe, probe).requires_grad:
+            return (
+                "the bias function's output requires grad: the tiled backend does not "
+                "differentiate through bias functions; pass the bias as a tensor"
+            )
+    return None
+
+
+def run_call(
+    call: AttentionCall,
+    *,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    gather: bool = False,
+) -> Tensor:
+    """Serve an ``AttentionCall`` (any leading dims) with ``tiled_attention``; used by
+    ``sparse`` with its own tile sizes and ``gather``."""
+    q, k, v = call.query, call.key, call.value
+    ndim, lead = q.ndim, tuple(q.shape[:-3])
+    q4, k4, v4 = (_as4d(t, ndim, lead) for t in (q, k, v))
+    mask_fn = call.mask if callable(call.mask) else None
+    mask_t = None if call.mask is None or mask_fn is not None else _as4d(call.mask, ndim, lead)
+    bias_fn = call.bias if callable(call.bias) else None
+    bias_t = None if call.bias is None or bias_fn is not None else _as4d(call.bias, ndim, lead)
+    out = tiled_attention(
+        q4,
+        k4,
+        v4,
+        scale=call.scale,
+        mask=mask_t,
+        mask_fn=mask_fn,
+        bias=bias_t,
+        bias_fn=bias_fn,
+        is_causal=call.is_causal,
+        block_q=block_q,
+        block_k=block_k,
+        gather=gather,
+    )
+    return out.reshape(*q.shape[:-1], v.shape[-1])
+
+
+def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    return run_call(call), None
+
+
+def _why_not_functions(call: AttentionCall) -> str | None:
+    if not (callable(call.mask) or callable(call.bias)):
+        return "auto's route for calls with a mask or bias function; this call has none"
+    return why_not(call)
+
+
+register_backend(
+    "tiled",
+    run,
+    why_not,
+    description="FlashAttention in PyTorch: online softmax over tiles, recomputing backward",
+)
+register_backend(
+    "tiled-functions",
+    run,
+    _why_not_functions,
+    description="the tiled backend, for auto: calls with mask or bias functions (see AUTO_ORDER)",
+)

@@ -1,0 +1,117 @@
+"""The tiled backward: recompute each tile's weights from the saved log-sum-exp.
+
+Only the output and ``lse`` are saved by the forward; each tile's probabilities are recomputed
+as ``p = exp2(s - lse2)`` (FlashAttention section 3.1, "recomputation"; the loop order of
+FlashAttention-2, Dao 2023, Algorithm 2)::
+
+    D = rowsum(dO * O);  dV_t += p^T dO;  dS = p * (dO v_t^T - D);  dQ += dS k_t;  dK_t += dS^T q
+
+Extra memory is O(n * block): one tile of scores per step, never ``i x j``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnkit.backends.tiled.layout import (
+    add_heads,
+    add_keys,
+    bmm,
+    flat,
+    head_tile,
+    heads,
+    rows,
+    unflat,
+    unrows,
+)
+from attnkit.backends.tiled.skipping import can_skip, needed, row_max
+from attnkit.backends.tiled.softmax import LOG2E, exp2_shifted
+from attnkit.backends.tiled.tiles import KeyTiles, Sel, Spec, Tiles
+
+__all__ = ["backward"]
+
+
+def _sum_to(t: Tensor, shape: torch.Size) -> Tensor:
+    """Sum a (b, h, bi, bj) tile over the axes where ``shape`` has size 1 (broadcast axes)."""
+    dims = [d for d in range(4) if shape[d] == 1 and t.shape[d] != 1]
+    return t.sum(dim=dims, keepdim=True) if dims else t
+
+
+def _add_dbias(dbias: Tensor, ds: Tensor, tiles: Tiles, i0: int, i1: int, sel: Sel) -> None:
+    """Add a tile's ``dS`` ``(b * h_kv, rows, bj)`` into ``dbias`` (the bias tensor's shape)."""
+    tile = _sum_to(unrows(unflat(ds, tiles.nb), tiles.g), dbias.shape)  # (b?, h?, bi?, bj?)
+    span = slice(i0, i1) if dbias.shape[2] != 1 else slice(None)
+    if dbias.shape[3] == 1:
+        dbias[:, :, span].add_(tile.sum(dim=3, keepdim=True))
+    elif isinstance(sel, slice):
+        dbias[:, :, span, sel].add_(tile)
+    else:
+        dbias[:, :, span].index_add_(3, sel, tile)
+
+
+def backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad_out: Tensor,
+    spec: Spec,
+    want_dbias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """``(dq, dk, dv, dbias)`` in the compute dtype; ``dbias`` only for a bias tensor when
+    ``want_dbias`` (its gradient disables head skipping, which would drop its small parts)."""
+    tiles = Tiles(spec, q, k)
+    g, dtype, nb = tiles.g, tiles.dtype, tiles.nb
+    q_c = flat(rows(q.to(dtype), g))  # (b * h_kv, i * g, d)
+    k, v = flat(k.to(dtype)), flat(v.to(dtype))  # (b * h_kv, j, d)
+    do = flat(rows(grad_out.to(dtype), g))  # (b * h_kv, i * g, dv)
+    out_r = flat(rows(out.to(dtype), g))  # (b * h_kv, i * g, dv)
+    lse_r = flat(rows(lse.to(dtype).unsqueeze(-1), g)).squeeze(-1)  # (b * h_kv, i * g)
+    # A row that saw no key: every score is the blocked minimum; with lse2 = 0, p = exp2(min) = 0.
+    lse2 = torch.where(lse_r > tiles.blocked * 0.5, lse_r * LOG2E, 0.0)
+    keys = KeyTiles(k, v, bounds=spec.has_bias)
+    dq, dk, dv = torch.zeros_like(q_c), torch.zeros_like(k), torch.zeros_like(v)
+    dbias = None
+    if want_dbias and spec.bias is not None:
+        dbias = torch.zeros(spec.bias.shape, dtype=dtype, device=q.device)
+    for i0 in range(0, tiles.ni, spec.block_q):
+        i1 = min(tiles.ni, i0 + spec.block_q)
+        r0, r1 = i0 * g, i1 * g
+        q_blk, do_blk = tiles.queries(q_c[:, r0:r1]), tiles.queries(do[:, r0:r1]).contiguous()
+        q2_blk = q_blk * (spec.scale * LOG2E)
+        out_blk, lse_blk = tiles.queries(out_r[:, r0:r1]), tiles.queries(lse2[:, r0:r1])
+        delta = (do_blk * out_blk).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O)
+        dq_blk = torch.zeros_like(q_blk) if tiles.reverse else dq[:, r0:r1]
+        q_norm = q2_blk.norm(dim=-1) if spec.has_bias else None  # (b * h_kv, rows)
+        for sel, declared in tiles.groups(i0, i1):
+            allowed = tiles.allowed(i0, i1, sel, declared)
+            if allowed is not None and not bool(allowed.any()):
+                continue
+            bias = tiles.bias(i0, i1, sel)
+            k_t, k_tt, _, v_tt, _ = keys.get(sel)
+            lo, hi = 0, tiles.hk  # the key heads to compute: all, unless some are negligible
+            if dbias is None and q_norm is not None and can_skip(allowed, bias, sel):
+                assert keys.norm is not None and bias is not None
+                top = row_max(tiles, bias, i0, i1, sel)
+                lo, hi = needed(tiles, q_norm, keys.norm[:, sel], top, lse_blk)
+            if lo == hi:
+                continue
+            q_h, q2_h, do_h, k_h, k_th, v_th = (
+                heads(t, nb, lo, hi) for t in (q_blk, q2_blk, do_blk, k_t, k_tt, v_tt)
+            )  # the tensors themselves when all heads are computed
+            s = tiles.logits(q2_h, k_th, allowed, head_tile(bias, lo, hi))
+            p = exp2_shifted(s, heads(lse_blk, nb, lo, hi), tiles.flush_below, tiles.blocked)
+            dp = bmm(do_h, v_th)  # (b * heads, rows, bj)
+            ds = dp.sub_(heads(delta, nb, lo, hi)).mul_(p)  # d loss / d scores
+            add_heads(dq_blk, nb, lo, hi, bmm(ds, k_h))
+            add_keys(dv, sel, nb, lo, hi, bmm(p.transpose(1, 2), do_h))
+            add_keys(dk, sel, nb, lo, hi, bmm(ds.transpose(1, 2), q_h))
+            if dbias is not None:
+                _add_dbias(dbias, ds, tiles, i0, i1, sel)
+        if tiles.reverse:
+            dq[:, r0:r1] = tiles.queries(dq_blk)
+    dq.mul_(spec.scale)
+    dk.mul_(spec.scale)
+    return unrows(unflat(dq, nb), g), unflat(dk, nb), unflat(dv, nb), dbias

@@ -1,0 +1,242 @@
+"""Tile iteration: which key tiles a query block visits, and the base-2 logits of one tile.
+
+For the query block ``[i0, i1)``, a mask function's declared structure (``masks.Structure``)
+gives the key ranges some query may see; they are cut into tiles of ``block_k`` keys, and tiles
+the structure declares all blocked are never visited. Every other mask and bias, tensor or
+function, is read one tile at a time (``allowed``, ``bias``), never as an ``i x j`` tensor.
+Blocked scores get the dtype's finite minimum, never ``-inf``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnkit._numerics import blocked, compute_dtype
+from attnkit.backends.tiled.layout import bmm, flip_queries, keys, tile_rows, unflat
+from attnkit.backends.tiled.relative import Relative
+from attnkit.backends.tiled.softmax import LOG2E
+from attnkit.masks import BiasFn, MaskFn, structure_of
+
+__all__ = ["BLOCK_K", "BLOCK_K_BIAS", "BLOCK_Q", "BLOCK_Q_BIAS", "KeyTiles", "Spec", "Tiles"]
+
+# Tile sizes (measured choices: docs/concepts/efficient.md, "Tile sizes").
+BLOCK_Q = 256
+BLOCK_K = 256
+BLOCK_Q_BIAS = 256  # with a bias: finer head skipping, and per-tile bias work still amortises
+BLOCK_K_BIAS = 512
+
+Sel = slice | Tensor  # the keys of a tile: a contiguous slice, or gathered indices (sparse)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Everything about one attention problem except the q, k, v tensors (all 4-D, local)."""
+
+    scale: float
+    mask: Tensor | None = None  # bool, broadcastable to (b, h, i, j) of this shard
+    mask_fn: MaskFn | None = None  # absolute positions
+    bias: Tensor | None = None  # float, broadcastable to (b, h, i, j) of this shard
+    bias_fn: BiasFn | None = None  # absolute positions
+    q_offset: int = 0
+    k_offset: int = 0
+    block_q: int = BLOCK_Q
+    block_k: int = BLOCK_K
+    gather: bool = False  # visit each query block's key ranges as one gathered group (sparse)
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias is not None or self.bias_fn is not None
+
+
+def tile_sizes(block_q: int | None, block_k: int | None, has_bias: bool) -> tuple[int, int]:
+    """The tile sizes: as given, else ``BLOCK_Q_BIAS x BLOCK_K_BIAS`` with a bias and
+    ``BLOCK_Q x BLOCK_K`` without."""
+    if block_q is None:
+        block_q = BLOCK_Q_BIAS if has_bias else BLOCK_Q
+    if block_k is None:
+        block_k = BLOCK_K_BIAS if has_bias else BLOCK_K
+    return block_q, block_k
+
+
+class Tiles:
+    """The tiles of one call: the key groups of each query block, and each tile's logits."""
+
+    def __init__(self, spec: Spec, q: Tensor, k: Tensor) -> None:
+        self.spec = spec
+        self.nb, self.h, self.ni, _ = q.shape
+        self.nj = k.shape[2]
+        self.hk = k.shape[1]  # key heads
+        self.g = self.h // self.hk
+        self.dtype = compute_dtype(q.dtype)
+        self.blocked = blocked(self.dtype)
+        # Only a bias spreads logits far below the row maximum: flush those (``exp2_shifted``).
+        self.flush_below = math.log2(torch.finfo(self.dtype).tiny) if spec.has_bias else None
+        device = q.device
+        self.b_idx = torch.arange(self.nb, device=device).view(-1, 1, 1, 1)
+        self.h_idx = torch.arange(self.h, device=device).view(1, -1, 1, 1)
+        # A relative bias function (and no bias tensor) is evaluated once; query blocks are then
+        # processed with their rows in reverse order (see ``relative``).
+        self.relative = None
+        if spec.bias is None and spec.bias_fn is not None and structure_of(spec.bias_fn).relative:
+            shape = (self.h, self.hk, self.ni, self.nj)
+            self.relative = Relative(
+                spec.bias_fn, shape, spec.q_offset, spec.k_offset, self.dtype, device
+            )
+        self.reverse = self.relative is not None
+
+    def queries(self, x: Tensor) -> Tensor:
+        """A row-layout block ``(n, rows, ...)`` in this call's row order: reversed queries
+        when ``reverse`` (its own inverse), else ``x`` itself."""
+        return flip_queries(x, self.g) if self.reverse else x
+
+    def groups(self, i0: int, i1: int) -> list[tuple[Sel, bool | None]]:
+        """Key groups for queries ``[i0, i1)``: ``(keys, state)`` with local key indices and the
+        declared state (True: all visible, None: evaluate the mask)."""
+        spec, qo, ko = self.spec, self.spec.q_offset, self.spec.k_offset
+        structure = structure_of(spec.mask_fn)
+        ranges = [(0, self.nj)]
+        if spec.mask_fn is not None:
+            visible = structure.visible_keys(i0 + qo, i1 + qo, ko, ko + self.nj)
+            ranges = [(lo - ko, hi - ko) for lo, hi in visible]
+        tiles: list[tuple[int, int, bool | None]] = []
+        for lo, hi in ranges:
+            for j0 in range(lo, hi, spec.block_k):
+                j1 = min(hi, j0 + spec.block_k)
+                state = True
+                if spec.mask_fn is not None:
+                    state = structure.classify(i0 + qo, i1 + qo, j0 + ko, j1 + ko)
+                if state is not False:
+                    tiles.append((j0, j1, state))
+        if not spec.gather or len(tiles) <= 1:
+            return [(slice(j0, j1), state) for j0, j1, state in tiles]
+        # Sparse layouts: one group of all kept keys, gathered (contiguous runs stay a slice).
+        runs: list[list[int]] = []
+        for j0, j1, _ in tiles:
+            if runs and runs[-1][1] == j0:
+                runs[-1][1] = j1
+            else:
+                runs.append([j0, j1])
+        state = True if all(s is True for _, _, s in tiles) else None
+        if len(runs) == 1:
+            return [(slice(runs[0][0], runs[0][1]), state)]
+        device = self.b_idx.device
+        idx = torch.cat([torch.arange(a, b, device=device) for a, b in runs])
+        return [(idx, state)]
+
+    def order(self, i0: int, i1: int) -> list[tuple[Sel, bool | None]]:
+        """``groups``, nearest keys first when a bias may let later tiles be skipped (the
+        running maximum then starts high); the result is the same in any order."""
+        groups = self.groups(i0, i1)
+        if not self.spec.has_bias or self.spec.gather:
+            return groups
+        centre = (i0 + i1) / 2 + self.spec.q_offset - self.spec.k_offset
+
+        def distance(group: tuple[Sel, bool | None]) -> float:
+            sel = group[0]
+            return abs((sel.start + sel.stop) / 2 - centre) if isinstance(sel, slice) else 0.0
+
+        return sorted(groups, key=distance)
+
+    def _slice(self, t: Tensor, i0: int, i1: int, sel: Sel) -> Tensor:
+        """Tile of a tensor broadcastable to (b, h, i, j)."""
+        if t.shape[2] != 1:
+            t = t[:, :, i0:i1].flip(2) if self.reverse else t[:, :, i0:i1]
+        if t.shape[3] != 1:
+            t = t[:, :, :, sel] if isinstance(sel, slice) else t.index_select(3, sel)
+        return t
+
+    def _positions(self, i0: int, i1: int, sel: Sel) -> tuple[Tensor, Tensor]:
+        """Absolute query positions ``(1, 1, bi, 1)`` and key positions ``(1, 1, 1, bj)``."""
+        device = self.b_idx.device
+        qo, ko = self.spec.q_offset, self.spec.k_offset
+        i = torch.arange(i0 + qo, i1 + qo, device=device)
+        i = (i.flip(0) if self.reverse else i).view(1, 1, -1, 1)
+        j = torch.arange(sel.start, sel.stop, device=device) if isinstance(sel, slice) else sel
+        return i, (j + ko).view(1, 1, 1, -1)
+
+    def allowed(self, i0: int, i1: int, sel: Sel, state: bool | None) -> Tensor | None:
+        """Bool tile (broadcastable, row layout) of allowed positions; None = all allowed."""
+        spec = self.spec
+        parts = []
+        if spec.mask is not None:
+            parts.append(self._slice(spec.mask, i0, i1, sel))
+        if spec.mask_fn is not None and state is None:
+            i, j = self._positions(i0, i1, sel)
+            parts.append(spec.mask_fn(self.b_idx, self.h_idx, i, j))
+        if not parts:
+            return None
+        allowed = parts[0]
+        for p in parts[1:]:
+            allowed = allowed & p
+        return tile_rows(allowed, self.g, i1 - i0, _width(sel))
+
+    def bias(self, i0: int, i1: int, sel: Sel) -> Tensor | None:
+        """Float tile (broadcastable, row layout) of the bias, in natural units; None = none.
+
+        For a relative bias function and a contiguous tile: a 5-D view
+        ``(1, h_kv, i1 - i0, g, bj)`` (``Relative.tile``) instead.
+        """
+        spec = self.spec
+        if self.relative is not None and isinstance(sel, slice):
+            return self.relative.tile(i0, i1, sel.start, sel.stop)
+        parts = []
+        if spec.bias is not None:
+            parts.append(self._slice(spec.bias, i0, i1, sel))
+        if spec.bias_fn is not None:
+            i, j = self._positions(i0, i1, sel)
+            parts.append(spec.bias_fn(self.b_idx, self.h_idx, i, j))
+        if not parts:
+            return None
+        bias = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+        return tile_rows(bias.to(self.dtype), self.g, i1 - i0, _width(sel))
+
+    def logits(
+        self, q2: Tensor, k_tt: Tensor, allowed: Tensor | None, bias: Tensor | None
+    ) -> Tensor:
+        """Base-2 logits ``(b * h_kv, rows, bj)`` of a tile.
+
+        ``q2`` ``(b * h_kv, rows, d)`` is the query block already multiplied by
+        ``scale * log2(e)``; ``k_tt`` ``(b * h_kv, d, bj)`` the key tile, transposed;
+        ``allowed`` and ``bias`` as returned by ``allowed`` and ``bias``.
+        """
+        s = bmm(q2, k_tt)  # (b * h_kv, rows, bj)
+        if bias is None and allowed is None:
+            return s
+        s4 = unflat(s, self.nb)  # (b, h_kv, rows, bj), same memory
+        if bias is not None and bias.dim() == 5:  # a relative view (1, h_kv, queries, g, bj)
+            s4.view(*s4.shape[:2], -1, self.g, s4.shape[3]).add_(bias, alpha=LOG2E)
+        elif bias is not None:
+            s4.add_(bias, alpha=LOG2E)
+        if allowed is not None:
+            s4.masked_fill_(~allowed, self.blocked)
+        return s
+
+
+def _width(sel: Sel) -> int:
+    return sel.stop - sel.start if isinstance(sel, slice) else sel.numel()
+
+
+class KeyTiles:
+    """The key and value tiles of a call, made once per tile and reused by every query block:
+    ``(k_t, k_t^T, v_t, v_t^T, largest |k_j|)``, views for a slice (``inf`` without
+    ``bounds``). ``norm`` ``(b * h_kv, j)`` holds every ``|k_j|`` when ``bounds``."""
+
+    def __init__(self, k: Tensor, v: Tensor, bounds: bool) -> None:
+        self.k, self.v = k, v
+        self.norm = k.norm(dim=-1) if bounds else None  # (b * h_kv, j)
+        self.cache: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor, Tensor, float]] = {}
+
+    def get(self, sel: Sel) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+        key = (sel.start, sel.stop) if isinstance(sel, slice) else None
+        hit = self.cache.get(key) if key is not None else None
+        if hit is None:
+            top = math.inf if self.norm is None else float(keys(self.norm, sel).max())
+            k_t, v_t = keys(self.k, sel), keys(self.v, sel)
+            hit = (k_t, k_t.mT, v_t, v_t.mT, top)
+            if key is not None:
+                self.cache[key] = hit
+        return hit
