@@ -1,6 +1,6 @@
 """attnkit's BERT vs Hugging Face's ``BertModel`` (SDPA attention) on all-MiniLM-L6-v2, CPU.
 
-Workload (issue 5): 256 English sentences of about 30 tokens, batch 32, 2 threads, float32,
+Workload: 256 English sentences of about 30 tokens, batch 32, 2 threads, float32,
 inference. Two comparisons, each pair measured in the same run with the candidates interleaved
 (batch by batch, the order flipping every time) and reported as medians of the totals over all
 batches, and their ratio:

@@ -1,4 +1,4 @@
-"""The brief's configuration sweep: d_model/heads/layers 64/4/2, 128/8/3, 256/16/4.
+"""A configuration sweep: d_model/heads/layers 64/4/2, 128/8/3, 256/16/4.
 
 For each configuration, on Iris and on the review snippets (from-scratch model): parameter count,
 test accuracy, training time, and the median inference latency per example (batch of one, eval

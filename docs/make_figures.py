@@ -79,7 +79,7 @@ def fig_masks() -> Any:
 
 
 def fig_worked_example() -> Any:
-    """The brief's worked example: one query, three keys."""
+    """The worked example of docs/concepts/attention.md: one query, three keys."""
     q = torch.tensor([[1.0, 2.0]])
     k = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     v = torch.tensor([[0.5, 0.3], [0.8, 0.2], [0.1, 0.9]])
