@@ -51,4 +51,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/attention.py
 
 clean:
-	rm -rf $(VENV) build dist site .pytest_cache
+	rm -rf $(VENV) build dist site .pytest_cache .import_linter_cache
