@@ -89,8 +89,7 @@ def main() -> int:
     import transformers
     from sentence_transformers import SentenceTransformer
 
-    from attnkit.models.bert import load_pretrained
-    from attnkit.models.bert_pretrained import bundled_model_path
+    from attnkit.models.bert_pretrained import bundled_model_path, load_pretrained
 
     path = bundled_model_path()
     ours = load_pretrained()

@@ -45,16 +45,17 @@ def _latency_rounds(fns: list, rounds: int, inner: int) -> list[float]:
 
 def sweep_iris(seeds: list[int]) -> list[dict]:
     from attnkit.models.classifiers import TabularConfig, count_parameters
-    from attnkit.train.iris import IRIS_TRAIN, _datasets, build_iris
-    from attnkit.train.loop import evaluate, fit
+    from attnkit.tasks.iris import IRIS_TRAIN, build_iris, iris_datasets
+    from attnkit.train.loop import FitOptions, evaluate, fit
 
     rows, models = [], []
     for d, h, n in CONFIGS:
         accs, secs, epochs = [], [], []
         for seed in seeds:
-            train, val, test = _datasets(seed)
+            train, val, test = iris_datasets(seed)
             model = build_iris(TabularConfig(d_model=d, num_heads=h, num_layers=n), seed)
-            result = fit(model, train, val, replace(IRIS_TRAIN, seed=seed), progress=False)
+            recipe = replace(IRIS_TRAIN, seed=seed)
+            result = fit(model, train, val, recipe, FitOptions(progress=False))
             accs.append(evaluate(model, test)[1])
             secs.append(result.seconds)
             epochs.append(result.best_epoch)
@@ -80,14 +81,14 @@ def sweep_iris(seeds: list[int]) -> list[dict]:
 
 def sweep_text(epochs: int, limit_train: int | None, seed: int = 0) -> list[dict]:
     from attnkit.models.classifiers import TextAttentionClassifier, TextConfig, count_parameters
+    from attnkit.tasks.text import SCRATCH_TRAIN, scratch_datasets
     from attnkit.train.data import Vocab, load_rotten_tomatoes
-    from attnkit.train.loop import evaluate, fit
-    from attnkit.train.text import SCRATCH_TRAIN, _scratch_sets
+    from attnkit.train.loop import FitOptions, evaluate, fit
 
     data = load_rotten_tomatoes(seed)
     data = data.limited(limit_train)
     vocab = Vocab.build(data.train_texts)
-    train, val, test = _scratch_sets(data, vocab, 64)
+    train, val, test = scratch_datasets(data, vocab, 64)
     config = replace(SCRATCH_TRAIN, epochs=epochs, seed=seed, patience=0)
     rows, models = [], []
     for d, h, n in CONFIGS:
@@ -95,7 +96,7 @@ def sweep_text(epochs: int, limit_train: int | None, seed: int = 0) -> list[dict
         model = TextAttentionClassifier(
             TextConfig(vocab_size=len(vocab), d_model=d, num_heads=h, num_layers=n)
         )
-        result = fit(model, train, val, config, progress=False)
+        result = fit(model, train, val, config, FitOptions(progress=False))
         rows.append(
             {
                 "config": f"{d}/{h}/{n}",

@@ -1,6 +1,6 @@
 """Iris: does any training recipe lift the attention classifier to a 96 % mean test accuracy?
 
-Trains the 64/4/2 classifier (``attnkit.train.iris``) on seeds 0-59 under several training
+Trains the 64/4/2 classifier (``attnkit.tasks.iris``) on seeds 0-59 under several training
 recipes and prints, for each, the test errors per seed (30 test flowers each) and the mean test
 accuracy, next to logistic regression and linear discriminant analysis fitted on the same
 training flowers. Writes the section "iris-recipes" of docs/benchmarks.md.
@@ -40,15 +40,16 @@ def _run(job: tuple[str, int]) -> tuple[str, int, int, float]:
     import torch
 
     from attnkit.models.classifiers import TabularConfig
-    from attnkit.train.iris import IRIS_TRAIN, _datasets, build_iris
-    from attnkit.train.loop import evaluate, fit
+    from attnkit.tasks.iris import IRIS_TRAIN, build_iris, iris_datasets
+    from attnkit.train.loop import FitOptions, evaluate, fit
 
     torch.set_num_threads(1)
     name, seed = job
     train_changes, model_changes = RECIPES[name]
-    train, val, test = _datasets(seed)
+    train, val, test = iris_datasets(seed)
     model = build_iris(TabularConfig(**model_changes), seed)
-    result = fit(model, train, val, replace(IRIS_TRAIN, seed=seed, **train_changes), progress=False)
+    recipe = replace(IRIS_TRAIN, seed=seed, **train_changes)
+    result = fit(model, train, val, recipe, FitOptions(progress=False))
     accuracy = evaluate(model, test)[1]
     return name, seed, round((1 - accuracy) * len(test["labels"])), result.seconds
 

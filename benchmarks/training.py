@@ -30,7 +30,7 @@ SEEDS = [0, 1, 2, 3, 4]
 
 
 def iris_rows(runs: Path, reuse: bool) -> list[dict]:
-    from attnkit.train.iris import train_iris
+    from attnkit.tasks.iris import IrisRun, train_iris
 
     rows = []
     for seed in SEEDS:
@@ -39,7 +39,7 @@ def iris_rows(runs: Path, reuse: bool) -> list[dict]:
             rows.append(json.loads(path.read_text()))
             continue
         torch.set_num_threads(1)
-        rows.append(train_iris(seed=seed, out=path.parent, progress=False))
+        rows.append(train_iris(IrisRun(seed=seed), out=path.parent, progress=False))
         print(f"iris seed {seed}: test {rows[-1]['test_accuracy']:.4f}", flush=True)
     return rows
 
@@ -114,7 +114,7 @@ def iris_md(rows: list[dict]) -> str:
 def _heads_summary(row: dict, runs: Path = Path("runs")) -> str:
     if "heads_summary" in row:
         return row["heads_summary"]
-    from attnkit.train.iris import summarize_heads  # older runs: recompute from attention.json
+    from attnkit.tasks.iris import summarize_heads  # older runs: recompute from attention.json
 
     maps = json.loads((runs / f"iris-seed{row['seed']}" / "attention.json").read_text())["maps"]
     return summarize_heads(torch.tensor(maps))
@@ -122,7 +122,7 @@ def _heads_summary(row: dict, runs: Path = Path("runs")) -> str:
 
 def _command(m: dict) -> str:
     """The command that reproduces a run, from its config.json."""
-    from attnkit.train.text import PRETRAINED_TRAIN, SCRATCH_TRAIN
+    from attnkit.tasks.text import PRETRAINED_TRAIN, SCRATCH_TRAIN
 
     c = m["_config"]
     default = SCRATCH_TRAIN if c["variant"] == "scratch" else PRETRAINED_TRAIN
@@ -148,8 +148,8 @@ def text_md(runs: Path) -> str:
     n_train = max(m["n_train"] for m in found.values())
     # The baseline is cheap: recompute it on the same (seeded) split with the current code, so
     # every row of the table uses the same baseline definition.
+    from attnkit.tasks.text import baseline_tfidf
     from attnkit.train.data import load_rotten_tomatoes
-    from attnkit.train.text import baseline_tfidf
 
     b = baseline_tfidf(load_rotten_tomatoes(0))
     lines = [

@@ -227,7 +227,7 @@ MINILM_TEXT = "The cat sat on the mat because it was tired."
 @functools.cache
 def _minilm() -> tuple[torch.Tensor, list[str]]:
     """The bundled MiniLM's attention ``(l, h, n, n)`` and tokens for ``MINILM_TEXT``."""
-    from attnkit.models.bert import load_pretrained
+    from attnkit.models.bert_pretrained import load_pretrained
 
     enc = load_pretrained().encode([MINILM_TEXT], need_weights=True)
     return enc.attentions[:, 0], enc.tokens[0]  # (l, b, h, n, n) -> (l, h, n, n)

@@ -19,13 +19,13 @@ spec.loader.exec_module(bench)
 
 
 def test_default_recipe_reproduces_train_iris() -> None:
-    from attnkit.train.iris import train_iris
+    from attnkit.tasks.iris import IrisRun, train_iris
 
     threads = torch.get_num_threads()
     try:
         name, seed, errors, _ = bench._run((bench.DEFAULT, 1))
         torch.set_num_threads(1)
-        metrics = train_iris(seed=1, progress=False)
+        metrics = train_iris(IrisRun(seed=1), progress=False)
     finally:
         torch.set_num_threads(threads)
     assert (name, seed) == (bench.DEFAULT, 1)

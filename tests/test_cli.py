@@ -1,4 +1,4 @@
-"""The CLI: the demo prints the brief's worked example; user errors are one line and exit 2."""
+"""The CLI: the demo prints the worked example; user errors are one line and exit 2."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from attnkit import cli
 def test_demo_prints_the_worked_example(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["demo"]) == 0
     out = capsys.readouterr().out
-    assert "brief [0.140, 0.284, 0.576]   attnkit [0.140, 0.284, 0.576]" in out
-    assert "brief [0.355, 0.617]   attnkit [0.355, 0.617]" in out
+    assert "by hand [0.140, 0.284, 0.576]   attnkit [0.140, 0.284, 0.576]" in out
+    assert "by hand [0.355, 0.617]   attnkit [0.355, 0.617]" in out
     assert "NO" not in out.split("agree to 3 decimals:")[1]
 
 

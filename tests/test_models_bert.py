@@ -20,8 +20,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 
-from attnkit.models.bert import BertConfig, BertModel, load_pretrained
-from attnkit.models.bert_pretrained import bundled_model_path
+from attnkit.models.bert import BertConfig, BertModel
+from attnkit.models.bert_pretrained import bundled_model_path, load_pretrained
 
 transformers = pytest.importorskip("transformers", reason="the hf extra holds the oracles")
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from attnkit.models.classifiers import TabularAttentionClassifier, TabularConfig
-from attnkit.train import TrainConfig, evaluate, fit, lr_at
+from attnkit.train import FitOptions, TrainConfig, evaluate, fit, lr_at
 from attnkit.train.data import load_iris_splits
 
 SMALL = TabularConfig(d_model=16, num_heads=2, num_layers=1, dropout=0.1)
+QUIET = FitOptions(progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_a_few_epochs_on_iris_beat_chance_clearly(iris):
     train, val, test = iris
     model = _model()
     _, before = evaluate(model, test)
-    result = fit(model, train, val, TrainConfig(epochs=12, lr=5e-3, patience=0), progress=False)
+    result = fit(model, train, val, TrainConfig(epochs=12, lr=5e-3, patience=0), QUIET)
     _, after = evaluate(model, test)
     assert after >= 0.8 > before + 0.2  # chance is 1/3
     assert result.epochs_run == 12 and len(result.history) == 12
@@ -71,7 +72,7 @@ def test_a_few_epochs_on_iris_beat_chance_clearly(iris):
 def test_model_holds_the_best_validation_epoch(iris):
     train, val, _ = iris
     model = _model(1)
-    result = fit(model, train, val, TrainConfig(epochs=10, lr=5e-3, patience=0), progress=False)
+    result = fit(model, train, val, TrainConfig(epochs=10, lr=5e-3, patience=0), QUIET)
     losses = [h["val_loss"] for h in result.history]
     assert result.best_epoch == 1 + losses.index(min(losses))
     assert evaluate(model, val)[0] == pytest.approx(min(losses), rel=1e-6)
@@ -82,7 +83,7 @@ def test_early_stopping_stops_after_patience(iris):
     # Train on shifted labels: every epoch makes the (true-label) validation loss worse.
     wrong = {"features": train["features"], "labels": (train["labels"] + 1) % 3}
     config = TrainConfig(epochs=40, lr=1e-2, patience=2, schedule="constant", warmup_frac=0)
-    result = fit(_model(2), wrong, val, config, progress=False)
+    result = fit(_model(2), wrong, val, config, QUIET)
     assert result.stopped_early
     assert result.epochs_run == result.best_epoch + 2 < 40
 
@@ -91,28 +92,21 @@ def test_resume_equals_uninterrupted(iris, tmp_path):
     train, val, _ = iris
     config = TrainConfig(epochs=6, lr=3e-3, patience=0, seed=7)
     full = _model(5)
-    full_result = fit(full, train, val, config, out_dir=tmp_path / "full", progress=False)
+    full_result = fit(full, train, val, config, FitOptions(tmp_path / "full", progress=False))
     part = _model(5)
-    fit(part, train, val, config, out_dir=tmp_path / "cut", progress=False, stop_after=3)
+    fit(part, train, val, config, FitOptions(tmp_path / "cut", progress=False, stop_after=3))
     assert (tmp_path / "cut" / "trainer_state.json").exists()
     torch.manual_seed(1234)  # the resumed process starts from an unrelated RNG state
     resumed = _model(99)  # and from other weights: everything must come from the checkpoint
-    res = fit(resumed, train, val, config, out_dir=tmp_path / "cut", resume=True, progress=False)
+    resume = FitOptions(tmp_path / "cut", resume=True, progress=False)
+    res = fit(resumed, train, val, config, resume)
     assert res.epochs_run == 6
     assert [h["val_loss"] for h in res.history] == [h["val_loss"] for h in full_result.history]
     for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     # A different configuration cannot continue this run.
     with pytest.raises(ValueError, match="different training configuration"):
-        fit(
-            _model(5),
-            train,
-            val,
-            TrainConfig(epochs=7, patience=0, seed=7),
-            out_dir=tmp_path / "cut",
-            resume=True,
-            progress=False,
-        )
+        fit(_model(5), train, val, TrainConfig(epochs=7, patience=0, seed=7), resume)
 
 
 def test_sampler_and_writer_seams(iris, tmp_path):
@@ -124,16 +118,8 @@ def test_sampler_and_writer_seams(iris, tmp_path):
         return torch.arange(n // 2)
 
     config = TrainConfig(epochs=2, batch_size=15, patience=0)
-    fit(
-        _model(),
-        train,
-        val,
-        config,
-        sampler=first_half,
-        out_dir=tmp_path / "r1",
-        is_writer=False,
-        progress=False,
-    )
+    options = FitOptions(tmp_path / "r1", progress=False, sampler=first_half, is_writer=False)
+    fit(_model(), train, val, config, options)
     assert not (tmp_path / "r1").exists()  # only the writer rank writes
     assert calls.count(0) >= 1 and calls.count(1) == 1
 
@@ -157,6 +143,7 @@ def test_parameter_groups_can_scale_the_schedule(iris):
         groups = [{"params": rest}, {"params": [m.head.weight], "lr_scale": 0.0}]
         return torch.optim.AdamW(groups, lr=config.lr, weight_decay=0.0)
 
-    fit(model, train, val, TrainConfig(epochs=1, patience=0), make_optimizer=make, progress=False)
+    options = FitOptions(progress=False, make_optimizer=make)
+    fit(model, train, val, TrainConfig(epochs=1, patience=0), options)
     assert torch.equal(model.head.weight, frozen_by_scale)  # lr 0 * schedule: untouched
     assert not torch.equal(model.feature_weight, _model(3).feature_weight)  # the rest learned

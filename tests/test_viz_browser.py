@@ -253,7 +253,7 @@ def test_missing_chromium_fails_with_a_hint(tmp_path: Path) -> None:
 def test_attnkit_show_page_for_the_bundled_minilm(page: Page) -> None:
     # What a person does: `attnkit show TEXT`, then open the page. The text carries markup.
     from attnkit.cli import main
-    from attnkit.models.bert import load_pretrained
+    from attnkit.models.bert_pretrained import load_pretrained
 
     text = f"The cat sat on the mat. {XSS}"
     out = page.tmp_path / "attention.html"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnkit.viz import plot_attention, plot_heads, plot_overview, save_figure
+from attnkit.viz import plot_attention, plot_grid, plot_heads, plot_overview, save_figure
 
 TOKENS = ["[CLS]", "the", "cat", "sat", "$x$", "[SEP]"]
 
@@ -107,6 +107,29 @@ def test_overview_layers_by_heads(tmp_path: Path) -> None:
     image = mpimg.imread(save_figure(fig, tmp_path / "o.png", dpi=40))
     w, h = fig.get_size_inches() * 40
     assert image.shape[:2] == (round(h), round(w))
+
+
+def test_grid_of_layers_and_heads_labelled_and_annotated(tmp_path: Path) -> None:
+    att = _attention(2, 3, 4, 4)  # (l, h, i, j)
+    tokens = ["a", "b", "c", "d"]
+    fig = plot_grid(att, tokens, count_from=1, cmap="viridis", panel=2.0)
+    panels = [ax for ax in fig.axes if ax.images]
+    assert [ax.get_title() for ax in panels] == [
+        f"layer {layer} head {h}" for layer in (1, 2) for h in (1, 2, 3)
+    ]
+    for n, ax in enumerate(panels):
+        np.testing.assert_allclose(np.asarray(ax.images[0].get_array()), att[n // 3, n % 3])
+        assert _labels(ax.get_xticklabels()) == tokens and _labels(ax.get_yticklabels()) == tokens
+        cells = {(round(t.get_position()[1]), round(t.get_position()[0])): t for t in ax.texts}
+        assert len(cells) == 16  # every weight written in its cell
+        assert cells[0, 0].get_text() == f"{float(att[n // 3, n % 3, 0, 0]):.2f}"
+    # The ink follows the cell's brightness: viridis is dark at 0 and light (yellow) at 1.
+    ones = plot_grid(torch.eye(2)[None, None], ["x", "y"], cmap="viridis")
+    ink = {t.get_text(): t.get_color() for t in ones.axes[0].texts}
+    assert ink == {"1.00": "black", "0.00": "white"}
+    assert fig.get_suptitle() == "2 layers x 3 heads (rows attend to columns)"
+    image = mpimg.imread(save_figure(fig, tmp_path / "grid.png", dpi=50))
+    assert image.shape[:2] == (round((2 * 2.0 + 0.4) * 50), round(3 * 2.0 * 50))
 
 
 @pytest.mark.parametrize(

@@ -28,13 +28,21 @@ COMMAND_MODULES = [
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, PermissionError, IsADirectoryError)
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's ``version``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("attnkit")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attnkit", description="Attention mechanisms you can read, run and look at."
     )
-    from attnkit import __version__
-
-    parser.add_argument("--version", action="version", version=f"attnkit {__version__}")
+    parser.add_argument("--version", action="version", version=f"attnkit {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)

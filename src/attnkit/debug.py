@@ -11,8 +11,9 @@ model built from attnkit modules works unchanged), and returns an ``AttentionRep
   the most weight on average.
 
 ``print(report)`` shows it as a table; the fields are plain data for programs and tests.
-Inspection runs in ``torch.no_grad()``; modules pinned to a backend that cannot return weights
-(such as ``"torch"``) run the reference ``"math"`` backend for that one call.
+Inspection runs in ``torch.no_grad()`` and inside ``attnkit.backends.use("math")``: every
+attention call of that one run takes the reference math, which returns weights, even in modules
+pinned to a backend that cannot (such as ``"torch"``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from attnkit.attention import MultiHeadAttention
+from attnkit.registry import use
 
 __all__ = ["AttentionReport", "HeadStats", "LayerReport", "inspect_attention"]
 
@@ -167,7 +169,6 @@ def inspect_attention(
     calls: dict[str, int] = {}
     pending: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     handles = []
-    saved_backends = {id(m): m.backend for _, m in modules}
 
     def make_hooks(name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
         def pre(mod: nn.Module, args: tuple, kw: dict) -> tuple[tuple, dict]:
@@ -199,16 +200,12 @@ def inspect_attention(
 
     try:
         for name, module in modules:
-            if module.backend not in ("auto", "math"):
-                module.backend = "math"
             pre, post = make_hooks(name)
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(module.register_forward_hook(post, with_kwargs=True))
-        with torch.no_grad():
+        with torch.no_grad(), use("math"):
             output = model(*inputs, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
-        for _, module in modules:
-            module.backend = saved_backends[id(module)]
     return AttentionReport(tuple(layers), output)

@@ -12,9 +12,8 @@ from pathlib import Path
 
 
 def benchmarks_dir() -> Path:
-    import attnkit
-
-    return Path(attnkit.__file__).resolve().parents[2] / "benchmarks"
+    # <checkout>/src/attnkit/commands/bench.py -> <checkout>/benchmarks
+    return Path(__file__).resolve().parents[3] / "benchmarks"
 
 
 def available(folder: Path) -> list[str]:

@@ -1,7 +1,7 @@
 """``attnkit demo``: the main job, a tour of attnkit on real inputs.
 
-Step 1 is the brief's worked example (tutorial 003): one query over three keys, computed by
-attnkit and printed next to the figures the tutorial reports.
+Step 1 is a worked example small enough to check by hand: one query over three keys, computed
+by attnkit and printed next to the values worked out by hand.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import os
 import tempfile
 from pathlib import Path
 
-# The worked example of the brief (tutorial 003), and the figures it reports (3 decimals).
+# The worked example, and its result by hand (3 decimals): scores q.k / sqrt(2) are
+# [0.707, 1.414, 2.121], their softmax the weights, and the output the weighted sum of V's rows.
 WORKED_QUERY = [[1.0, 2.0]]
 WORKED_KEYS = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
 WORKED_VALUES = [[0.5, 0.3], [0.8, 0.2], [0.1, 0.9]]
-BRIEF_WEIGHTS = [0.140, 0.284, 0.576]
-BRIEF_OUTPUT = [0.355, 0.617]
+HAND_WEIGHTS = [0.140, 0.284, 0.576]
+HAND_OUTPUT = [0.355, 0.617]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,10 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def worked_example() -> tuple[list[float], list[float]]:
-    """attnkit's weights and output for the brief's worked example."""
+    """attnkit's weights and output for the worked example."""
     import torch
 
-    from attnkit import scaled_dot_product_attention
+    from attnkit.functional import scaled_dot_product_attention
 
     q = torch.tensor(WORKED_QUERY, dtype=torch.float64)
     k = torch.tensor(WORKED_KEYS, dtype=torch.float64)
@@ -40,19 +41,19 @@ def worked_example() -> tuple[list[float], list[float]]:
     return weights[0].tolist(), output[0].tolist()
 
 
-def _row(label: str, brief: list[float], ours: list[float]) -> str:
-    b = ", ".join(f"{x:.3f}" for x in brief)
+def _row(label: str, by_hand: list[float], ours: list[float]) -> str:
+    b = ", ".join(f"{x:.3f}" for x in by_hand)
     o = ", ".join(f"{x:.3f}" for x in ours)
-    ok = "yes" if all(abs(x - y) < 5e-4 for x, y in zip(brief, ours, strict=True)) else "NO"
-    return f"  {label:<8} brief [{b}]   attnkit [{o}]   agree to 3 decimals: {ok}"
+    ok = "yes" if all(abs(x - y) < 5e-4 for x, y in zip(by_hand, ours, strict=True)) else "NO"
+    return f"  {label:<8} by hand [{b}]   attnkit [{o}]   agree to 3 decimals: {ok}"
 
 
 def run(args: argparse.Namespace) -> int:
     weights, output = worked_example()
-    print("1. The brief's worked example: Q = [1, 2], K = [[1, 0], [0, 1], [1, 1]],")
+    print("1. A worked example: Q = [1, 2], K = [[1, 0], [0, 1], [1, 1]],")
     print("   V = [[0.5, 0.3], [0.8, 0.2], [0.1, 0.9]], scale 1/sqrt(2)")
-    print(_row("weights", BRIEF_WEIGHTS, weights))
-    print(_row("output", BRIEF_OUTPUT, output))
+    print(_row("weights", HAND_WEIGHTS, weights))
+    print(_row("output", HAND_OUTPUT, output))
     out_dir = getattr(args, "out_dir", None) or tempfile.mkdtemp(prefix="attnkit-demo-")
     step_explorer(out_dir)
     return 0
@@ -64,7 +65,7 @@ EXPLORER_SENTENCE = "The cat sat on the mat because it was warm."
 def step_explorer(out_dir: str | os.PathLike[str]) -> Path:
     """Write the attention explorer of the bundled MiniLM for a sentence; returns its path."""
     from attnkit.commands.show import encode, strongest_links
-    from attnkit.viz import AttentionExplorer
+    from attnkit.viz.explorer import AttentionExplorer
 
     attention, tokens = encode(EXPLORER_SENTENCE)
     explorer = AttentionExplorer(

@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from attnkit.train.tasks import evaluate_checkpoint, format_table
+    from attnkit.tasks.registry import evaluate_checkpoint, format_table
 
     if args.threads:
         torch.set_num_threads(args.threads)

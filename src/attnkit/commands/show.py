@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def load_model() -> Any:
     """attnkit's BERT with the bundled all-MiniLM-L6-v2 weights (tests replace this seam)."""
-    from attnkit.models.bert import load_pretrained
+    from attnkit.models.bert_pretrained import load_pretrained
 
     return load_pretrained()
 
@@ -108,10 +108,11 @@ def write_output(
     head: int | None,
 ) -> Path:
     """The explorer (.html) or a heat map (.png/.svg) of ``attention`` (l, h, i, i) at ``out``."""
-    from attnkit import viz
+    from attnkit.viz.explorer import AttentionExplorer
+    from attnkit.viz.heatmap import plot_attention, plot_heads, plot_overview, save_figure
 
     if out.suffix.lower() in PAGES:
-        explorer = viz.AttentionExplorer(
+        explorer = AttentionExplorer(
             attention,
             tokens,
             title="attnkit show: BERT attention (all-MiniLM-L6-v2)",
@@ -123,16 +124,14 @@ def write_output(
     if len(text) > 60:  # a picture's title stays on one line
         text = text[:59] + "…"
     if layer is not None and head is not None:
-        fig = viz.plot_attention(
+        fig = plot_attention(
             attention[layer, head], tokens, title=f"Layer {layer}, head {head}: {text}"
         )
     elif layer is not None:
-        fig = viz.plot_heads(
-            attention, tokens, layer=layer, title=f"Layer {layer}, all heads: {text}"
-        )
+        fig = plot_heads(attention, tokens, layer=layer, title=f"Layer {layer}, all heads: {text}")
     else:
-        fig = viz.plot_overview(attention, tokens, title=f"All layers and heads: {text}")
-    return viz.save_figure(fig, out)
+        fig = plot_overview(attention, tokens, title=f"All layers and heads: {text}")
+    return save_figure(fig, out)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""``attnkit train iris|text``: the worked examples that learn (see ``attnkit.train``)."""
+"""``attnkit train iris|text``: the worked examples that learn (see ``attnkit.tasks``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from attnkit.distributed.ddp import DistEnv
+    from attnkit.train.loop import TrainConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,10 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _train_config(args: argparse.Namespace, default):
-    from dataclasses import asdict
-
-    from attnkit.train import TrainConfig
+def _train_config(args: argparse.Namespace, default: TrainConfig) -> TrainConfig:
+    from dataclasses import replace
 
     changes = {
         "epochs": args.epochs,
@@ -65,7 +64,7 @@ def _train_config(args: argparse.Namespace, default):
         "lr": args.lr,
         "patience": args.patience,
     }
-    return TrainConfig(**{**asdict(default), **{k: v for k, v in changes.items() if v is not None}})
+    return replace(default, **{k: v for k, v in changes.items() if v is not None})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,7 +99,7 @@ def _run(args: argparse.Namespace, env: DistEnv, say: Callable[..., None]) -> in
 
     import torch
 
-    from attnkit.train.tasks import format_table
+    from attnkit.tasks.registry import format_table
 
     torch.set_num_threads(args.threads or (2 if variant == "pretrained" else 1))
     progress = False if args.quiet else None
@@ -110,16 +109,14 @@ def _run(args: argparse.Namespace, env: DistEnv, say: Callable[..., None]) -> in
         from dataclasses import replace
 
         from attnkit.models.classifiers import TabularConfig
-        from attnkit.train.iris import IRIS_TRAIN, train_iris
+        from attnkit.tasks.iris import IRIS_TRAIN, IrisRun, train_iris
 
-        m = train_iris(
+        run = IrisRun(
             seed=args.seed,
-            out=out,
-            model_config=replace(TabularConfig(), **sizes),
-            train_config=_train_config(args, IRIS_TRAIN),
-            resume=args.resume,
-            progress=progress,
+            model=replace(TabularConfig(), **sizes),
+            train=_train_config(args, IRIS_TRAIN),
         )
+        m = train_iris(run, out=out, resume=args.resume, progress=progress)
         rows = [
             [
                 "attention (CLS)",
@@ -132,7 +129,7 @@ def _run(args: argparse.Namespace, env: DistEnv, say: Callable[..., None]) -> in
             ]
         ]
     else:
-        from attnkit.train.text import PRETRAINED_TRAIN, SCRATCH_TRAIN, train_text
+        from attnkit.tasks.text import PRETRAINED_TRAIN, SCRATCH_TRAIN, TextRun, train_text
 
         if variant == "pretrained":
             if sizes:
@@ -143,17 +140,15 @@ def _run(args: argparse.Namespace, env: DistEnv, say: Callable[..., None]) -> in
             default = PRETRAINED_TRAIN
         else:
             model_config, default = sizes, SCRATCH_TRAIN
-        m = train_text(
+        run = TextRun(
             variant=variant,
             seed=args.seed,
-            out=out,
-            model_config=model_config,
-            train_config=_train_config(args, default),
+            model=model_config,
+            train=_train_config(args, default),
             max_len=args.max_len,
-            resume=args.resume,
-            progress=progress,
             limit_train=args.limit_train,
         )
+        m = train_text(run, out=out, resume=args.resume, progress=progress)
         b = m["baseline"]
         rows = [
             [

@@ -19,32 +19,29 @@ nothing here does anything, so the same training code serves both cases::
     if env.is_main:                            # only rank 0 writes checkpoints, logs, metrics
         save(...)
     teardown(env)
+
+These helpers know nothing of ``attnkit.train``: ``attnkit.tasks.parallel`` runs its ``fit`` on
+several ranks with them.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-
-if TYPE_CHECKING:
-    from attnkit.train.loop import FitResult, TrainConfig
 
 __all__ = [
     "DistEnv",
     "all_reduce_mean",
     "barrier",
     "current_env",
-    "fit_on_ranks",
     "launched_by_torchrun",
     "make_sampler",
-    "prepare_fit",
+    "rank_share",
     "setup",
     "teardown",
     "unwrap_model",
@@ -202,80 +199,19 @@ def barrier(env: DistEnv) -> None:
         dist.barrier()
 
 
-def prepare_fit(
-    model: nn.Module,
-    config: TrainConfig,
-    env: DistEnv,
-    sampler: Callable[[int, int], Tensor] | None = None,
-    make_optimizer: Callable[[nn.Module, TrainConfig], torch.optim.Optimizer] | None = None,
-) -> tuple[nn.Module, TrainConfig, dict[str, Any]]:
-    """Adapt a run of ``attnkit.train.fit`` to data parallelism, through fit's seams.
+def rank_share(order: Tensor, env: DistEnv) -> Tensor:
+    """This rank's share of an epoch's order of examples: positions ``r, r + W, ...`` of ``order``.
 
-    ``config.batch_size`` stays the *global* batch: each of the ``W`` ranks takes
-    ``batch_size / W`` examples per step, so a run under ``torchrun`` makes the same optimizer
-    steps, with the same learning-rate schedule, as one process. The epoch order is fit's own
-    seeded shuffle (or ``sampler``), cut by ``DistributedSampler`` (``shuffle=False``: the order
-    is already shuffled): rank ``r`` takes positions ``r, r + W, ...``, so at every step the
-    ranks' batches together are exactly the single-process batch. When ``W`` does not divide
-    the number of examples the sampler repeats a few of them, as DistributedSampler does, so
-    every rank makes the same number of steps (DDP needs that).
-
-    ``make_optimizer`` (fit's seam, default AdamW) is handed the plain model, not the DDP
-    wrapper, so it can address submodules and parameter names as usual (the parameters are the
-    same objects).
-
-    Returns ``(model, config, fit_kwargs)``: the DDP-wrapped model, the config with the per-rank
-    batch size, and ``sampler`` / ``is_writer`` (rank 0 only) / ``make_optimizer`` for ``fit``.
-    On a world of one the model and config come back unchanged.
+    The cut ``DistributedSampler(shuffle=False)`` makes: when ``W`` does not divide
+    ``len(order)`` the first few examples are repeated, so every rank gets the same count (DDP
+    needs every rank to make the same number of steps). A world of one gets ``order`` itself.
+    With equal batch sizes, the ranks' batches at one step together are the single-process batch.
     """
-    seams: dict[str, Any] = {"is_writer": env.is_main}
-    if make_optimizer is not None:
-        build = make_optimizer
-        seams["make_optimizer"] = lambda m, c: build(unwrap_model(m), c)
     if not env.distributed:
-        return model, config, seams
-    if config.batch_size % env.world_size:
-        raise ValueError(
-            f"--batch-size is the global batch and must be divisible by the number of "
-            f"processes: {config.batch_size} is not divisible by {env.world_size}"
-        )
+        return order
     from torch.utils.data import DistributedSampler
 
-    from attnkit.train.loop import shuffled_order
-
-    base = sampler or shuffled_order(config.seed)
-
-    def shard(n: int, epoch: int) -> Tensor:
-        order = base(n, epoch)  # the single-process order of this epoch
-        mine = DistributedSampler(
-            range(len(order)), num_replicas=env.world_size, rank=env.rank, shuffle=False
-        )
-        return order[torch.tensor(list(mine), dtype=torch.long)]  # positions r, r + W, ...
-
-    per_rank = replace(config, batch_size=config.batch_size // env.world_size)
-    return wrap_model(model, env), per_rank, {**seams, "sampler": shard}
-
-
-def fit_on_ranks(
-    model: nn.Module,
-    train: Any,
-    val: Any,
-    config: TrainConfig,
-    env: DistEnv,
-    *,
-    out_dir: Any = None,
-    resume: bool = False,
-    progress: bool | None = None,
-    make_optimizer: Callable[[nn.Module, TrainConfig], torch.optim.Optimizer] | None = None,
-) -> FitResult:
-    """``attnkit.train.fit`` through ``prepare_fit``: one process, or every rank under torchrun.
-
-    Only rank 0 shows progress and writes checkpoints; ``model`` holds the kept weights after.
-    """
-    from attnkit.train.loop import fit
-
-    fit_model, fit_config, seams = prepare_fit(model, config, env, make_optimizer=make_optimizer)
-    shown = progress if env.is_main else False
-    return fit(
-        fit_model, train, val, fit_config, out_dir=out_dir, resume=resume, progress=shown, **seams
+    mine = DistributedSampler(
+        range(len(order)), num_replicas=env.world_size, rank=env.rank, shuffle=False
     )
+    return order[torch.tensor(list(mine), dtype=torch.long)]  # positions r, r + W, ...

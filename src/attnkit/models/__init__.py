@@ -1,12 +1,13 @@
 """Pretrained models built from attnkit's modules.
 
-``attnkit.models.bert``: BERT, loading Hugging Face checkpoints; ``load_pretrained()`` gives the
-bundled all-MiniLM-L6-v2 ready to ``encode`` texts. ``attnkit.models.classifiers``: the worked
-examples' Iris and review classifiers (imported on use).
+``attnkit.models.bert``: BERT, loading Hugging Face checkpoints; ``load_pretrained()``
+(``attnkit.models.bert_pretrained``) gives the bundled all-MiniLM-L6-v2 ready to ``encode`` texts.
+``attnkit.models.classifiers``: the Iris and review classifiers of the worked examples
+(imported on use).
 """
 
-from attnkit.models.bert import BertConfig, BertModel, BertOutput, load_pretrained
-from attnkit.models.bert_pretrained import BertEncoding, PretrainedBert
+from attnkit.models.bert import BertConfig, BertModel, BertOutput
+from attnkit.models.bert_pretrained import BertEncoding, PretrainedBert, load_pretrained
 
 __all__ = [
     "BertConfig",

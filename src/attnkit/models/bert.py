@@ -14,16 +14,15 @@ Each layer is an ``attnkit.TransformerBlock`` with ``norm_first=False`` (BERT is
 Hugging Face's separate ``query``/``key``/``value`` matrices are stacked into the block's fused
 ``attn.in_proj`` when loading (see ``from_hf_state_dict``), so self-attention is one matmul.
 
-Entry point for users: ``load_pretrained()`` (defined in ``bert_pretrained``, re-exported here).
+Entry point for users: ``attnkit.models.load_pretrained()`` (``bert_pretrained.py``), which builds
+this model from a checkpoint directory and adds the tokenizer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -35,9 +34,7 @@ from attnkit.models.bert_loading import (
     hf_state_dict_to_attnkit,
     load_bert_weights,
 )
-
-if TYPE_CHECKING:
-    from attnkit.models.bert_pretrained import PretrainedBert
+from attnkit.registry import use
 
 __all__ = [
     "BertConfig",
@@ -45,7 +42,6 @@ __all__ = [
     "BertModel",
     "BertOutput",
     "BertPooler",
-    "load_pretrained",
 ]
 
 
@@ -147,7 +143,8 @@ class BertModel(nn.Module):
                 Face's meaning); ``None`` means every position is real.
             token_type_ids: ``(b, i)`` segment ids; ``None`` means all zeros.
             need_weights: also return every layer's attention probabilities.
-            backend: override the layers' attention backend for this call.
+            backend: run every layer's attention on this backend for this call (see
+                ``attnkit.backends.use``); ``None`` keeps the layers' own.
         """
         c = self.config
         if not isinstance(input_ids, Tensor) or input_ids.ndim != 2:
@@ -180,7 +177,7 @@ class BertModel(nn.Module):
 
         x = self.embeddings(input_ids, token_type_ids)  # (b, i, e)
         weights: list[Tensor] = []
-        with self._backend(backend):
+        with contextlib.nullcontext() if backend is None else use(backend):
             for layer in self.layers:
                 x, w = layer(x, mask=mask, need_weights=need_weights)
                 if w is not None:
@@ -193,21 +190,6 @@ class BertModel(nn.Module):
                 attentions = attentions * real[None, :, None, :, None].to(attentions.dtype)
         pooled = self.pooler(x) if self.pooler is not None else None
         return BertOutput(hidden_states=x, attentions=attentions, pooled=pooled)
-
-    @contextlib.contextmanager
-    def _backend(self, backend: str | None) -> Iterator[None]:
-        """Temporarily run every layer's attention on ``backend``."""
-        if backend is None:
-            yield
-            return
-        saved = [layer.attn.backend for layer in self.layers]
-        for layer in self.layers:
-            layer.attn.backend = backend
-        try:
-            yield
-        finally:
-            for layer, name in zip(self.layers, saved, strict=True):
-                layer.attn.backend = name
 
     @classmethod
     def from_hf_state_dict(
@@ -247,19 +229,3 @@ def _pack_qkv(query: Tensor, key: Tensor, value: Tensor) -> dict[str, Tensor]:
 
 def _shape(t: object) -> str:
     return str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
-
-
-def load_pretrained(
-    path: str | os.PathLike[str] | None = None,
-    *,
-    dtype: torch.dtype = torch.float32,
-    backend: str = "auto",
-    strict: bool = True,
-) -> PretrainedBert:
-    """Load a BERT directory (default: the bundled all-MiniLM-L6-v2, offline) ready to ``encode``.
-
-    See ``attnkit.models.bert_pretrained.load_pretrained`` for the arguments.
-    """
-    from attnkit.models.bert_pretrained import load_pretrained as _load
-
-    return _load(path, dtype=dtype, backend=backend, strict=strict)

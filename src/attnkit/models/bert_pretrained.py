@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit.backends import get_backend
 from attnkit.models.bert import BertModel
 from attnkit.models.bert_config import BertConfig
 from attnkit.models.bert_loading import (
@@ -114,8 +115,9 @@ class PretrainedBert:
             on_too_long: a text longer than ``max_length``: ``"warn"`` (default) truncates it,
                 keeping its final ``[SEP]``, and emits a ``UserWarning`` naming the texts;
                 ``"error"`` raises a ``ValueError`` instead.
-            backend: attention backend; default ``self.backend``. ``"auto"`` takes the math path
-                when weights are wanted and the fastest registered one otherwise.
+            backend: attention backend of every layer; default ``self.backend``. With ``"auto"``
+                the registry picks the fastest backend that can serve each call, which is the
+                reference math when weights are wanted.
         """
         texts = _check_texts(texts)
         if not isinstance(need_weights, bool):
@@ -139,8 +141,6 @@ class PretrainedBert:
         backend = self.backend if backend is None else backend
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a string, got {type(backend).__name__}")
-        if backend == "auto" and need_weights:
-            backend = "math"
 
         self.tokenizer.set_max_length(max_length)
         batch = self.tokenizer(texts, on_too_long=on_too_long)
@@ -252,8 +252,6 @@ def load_pretrained(
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     if backend != "auto":
-        from attnkit.backends import get_backend
-
         get_backend(backend)  # an unknown name fails now, not at the first encode
     directory = check_model_dir(bundled_model_path() if path is None else path)
     config = BertConfig.from_json(directory / "config.json")

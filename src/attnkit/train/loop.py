@@ -8,9 +8,10 @@ dict of tensors with a ``"labels"`` entry (every tensor has the examples on dim 
 - early stopping: the best epoch on validation (lowest loss, or highest accuracy with ties broken
   by loss) is kept, and training stops after ``patience`` epochs without a better one;
 - a tqdm progress bar with the running loss and accuracy (off when stderr is not a terminal);
-- a checkpoint after every epoch (``out_dir``): the best weights as ``model.safetensors``, and
-  everything needed to continue (current weights, optimizer moments, the global RNG state, step,
-  epoch, history, best score) as ``trainer_state.safetensors`` + ``trainer_state.json``.
+- a checkpoint after every epoch (``FitOptions.out_dir``): the best weights as
+  ``model.safetensors``, and everything needed to continue (current weights, optimizer moments,
+  the global RNG state, step, epoch, history, best score) as ``trainer_state.safetensors`` +
+  ``trainer_state.json``.
 
 Why a resumed run equals an uninterrupted one: the shuffling order of epoch ``e`` is a pure
 function of ``(seed, e)``, the learning rate a pure function of the step, dropout draws from the
@@ -18,11 +19,13 @@ global RNG whose state is saved at the epoch boundary, and safetensors stores th
 Resuming from the end of epoch ``k`` therefore replays epochs ``k+1...`` bit for bit on the same
 machine and thread count.
 
-Seams for data-parallel training (``torchrun``): pass ``make_optimizer`` to build the optimizer
-(for example around a ``DistributedDataParallel`` model), ``sampler(n, epoch) -> indices`` to give
-each rank its shard of the epoch's order, and ``is_writer=False`` on every rank but 0. Every rank
-evaluates the full validation set with identical weights, so all ranks reach the same
-early-stopping decision without communication.
+Two frozen dataclasses describe a call: ``TrainConfig`` is the recipe (saved with the checkpoint;
+a resumed run must use the same one), ``FitOptions`` says how this call runs: where it writes,
+whether it resumes or shows progress, and the seams for data-parallel training (``torchrun``):
+``make_optimizer`` builds the optimizer (for example around a ``DistributedDataParallel`` model),
+``sampler(n, epoch) -> indices`` gives each rank its shard of the epoch's order, and
+``is_writer=False`` on every rank but 0. Every rank evaluates the full validation set with
+identical weights, so all ranks reach the same early-stopping decision without communication.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from attnkit.train.checkpoint import (
 
 __all__ = [
     "Dataset",
+    "FitOptions",
     "FitResult",
     "TrainConfig",
     "evaluate",
@@ -102,7 +106,7 @@ class FitResult:
     best_epoch: int  # 1-based epoch whose weights the model holds now ("epochs to convergence")
     epochs_run: int
     stopped_early: bool
-    seconds: float  # training time, summed over resumed sessions
+    seconds: float  # training time, summed over an interrupted run and its resumptions
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -234,39 +238,55 @@ def _load_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer) -> dict
     return state
 
 
+@dataclass(frozen=True)
+class FitOptions:
+    """How one call of ``fit`` runs; the recipe itself is the ``TrainConfig``.
+
+    Attributes:
+        out_dir: checkpoint directory, written after every epoch when ``is_writer``; ``None``
+            writes nothing.
+        resume: continue from ``out_dir``'s trainer state if there is one (else start fresh).
+        progress: show a progress bar; ``None`` means "if stderr is a terminal".
+        stop_after: stop (as if interrupted) after this many epochs in total, for tests and demos
+            of ``resume``; ``None`` runs them all. The schedule still spans ``config.epochs``.
+        make_optimizer: seam ``(model, config) -> optimizer`` (default: AdamW, no decay on 1-D
+            parameters).
+        sampler: seam ``(n, epoch) -> indices``, the epoch's order; ``None`` is a seeded shuffle
+            (``shuffled_order(config.seed)``).
+        is_writer: ``False`` on every data-parallel rank but 0: it trains but writes nothing.
+    """
+
+    out_dir: str | Path | None = None
+    resume: bool = False
+    progress: bool | None = None
+    stop_after: int | None = None
+    make_optimizer: Callable[[nn.Module, TrainConfig], torch.optim.Optimizer] = default_optimizer
+    sampler: Callable[[int, int], Tensor] | None = None
+    is_writer: bool = True
+
+
 def fit(
     model: nn.Module,
     train: Dataset,
     val: Dataset,
     config: TrainConfig,
-    *,
-    out_dir: str | Path | None = None,
-    resume: bool = False,
-    progress: bool | None = None,
-    make_optimizer: Callable[[nn.Module, TrainConfig], torch.optim.Optimizer] = default_optimizer,
-    sampler: Callable[[int, int], Tensor] | None = None,
-    is_writer: bool = True,
-    stop_after: int | None = None,
+    options: FitOptions | None = None,
 ) -> FitResult:
     """Train ``model`` in place; on return it holds the weights of the best validation epoch.
 
-    Args:
-        out_dir: checkpoint directory (written after every epoch, only when ``is_writer``).
-        resume: continue from ``out_dir``'s trainer state if there is one (else start fresh).
-        progress: show a progress bar; ``None`` means "if stderr is a terminal".
-        make_optimizer: seam to build the optimizer (default: AdamW, no decay on 1-D params).
-        sampler: seam ``(n, epoch) -> indices`` for the epoch's order (default: a seeded shuffle).
-        stop_after: stop (as if interrupted) after this many epochs in total; for tests and demos
-            of ``resume``. The schedule still spans ``config.epochs``.
+    ``config`` is the recipe; ``options`` (default ``FitOptions()``: no checkpoint, a progress bar
+    on a terminal) says where the run writes, whether it resumes, and its seams.
     """
+    options = options or FitOptions()
     n = _check_dataset(train, "train")
     _check_dataset(val, "val")
-    out = Path(out_dir) if out_dir is not None else None
+    out = Path(options.out_dir) if options.out_dir is not None else None
+    is_writer = options.is_writer
     if out is not None and is_writer:
         out.mkdir(parents=True, exist_ok=True)
-    sampler = sampler or shuffled_order(config.seed)
+    sampler = options.sampler or shuffled_order(config.seed)
     torch.manual_seed(config.seed)  # the stream dropout draws from
-    opt = make_optimizer(model, config)
+    opt = options.make_optimizer(model, config)
     steps_per_epoch = math.ceil(len(sampler(n, 0)) / config.batch_size)
     total_steps = config.epochs * steps_per_epoch
 
@@ -282,7 +302,7 @@ def fit(
         "config": asdict(config),
     }
     best_weights = {k: v.detach().clone() for k, v in _unwrap(model).state_dict().items()}
-    if resume and out is not None and (out / STATE_JSON).exists():
+    if options.resume and out is not None and (out / STATE_JSON).exists():
         state = _load_state(out, model, opt)
         if state.get("config") != asdict(config):
             raise ValueError(
@@ -295,8 +315,9 @@ def fit(
 
     from tqdm.auto import tqdm  # lazy: the `train` extra
 
-    show = sys.stderr.isatty() if progress is None else progress
+    show = sys.stderr.isatty() if options.progress is None else options.progress
     bar = tqdm(total=total_steps, initial=state["step"], disable=not show, unit="step", leave=False)
+    stop_after = options.stop_after
     last_epoch = config.epochs if stop_after is None else min(config.epochs, stop_after)
     while state["epoch"] < last_epoch and not state["stopped_early"]:
         epoch = state["epoch"]

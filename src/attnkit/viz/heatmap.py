@@ -22,7 +22,7 @@ import numpy as np
 
 from attnkit.viz._common import as_array, as_attention4d, check_index
 
-__all__ = ["plot_attention", "plot_heads", "plot_overview", "save_figure"]
+__all__ = ["plot_attention", "plot_grid", "plot_heads", "plot_overview", "save_figure"]
 
 # Cells get their value written in them up to this many tokens on either axis.
 ANNOTATE_MAX_TOKENS = 12
@@ -74,6 +74,7 @@ def _draw(
     xlabels: bool = True,
     ylabels: bool = True,
     limit: int = 24,
+    fontsize: float = 7,
 ) -> Any:
     image = ax.imshow(
         weights, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest"
@@ -89,18 +90,19 @@ def _draw(
     else:
         ax.set_yticks([])
     if annotate:
-        mid = vmin + (vmax - vmin) / 2
         for q in range(weights.shape[0]):
             for k in range(weights.shape[1]):
                 w = weights[q, k]
+                r, g, b, _ = image.cmap(image.norm(w))
+                light = 0.299 * r + 0.587 * g + 0.114 * b > 0.5  # perceived brightness of the cell
                 ax.text(
                     k,
                     q,
                     f"{w:.2f}",
                     ha="center",
                     va="center",
-                    fontsize=7,
-                    color="white" if w > mid else "black",
+                    fontsize=fontsize,
+                    color="black" if light else "white",
                 )
     return image
 
@@ -271,6 +273,61 @@ def plot_overview(
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
     fig.suptitle(title or f"All heads: {n_layers} layers x {n_heads} heads", parse_math=False)
+    return fig
+
+
+def plot_grid(
+    attention: Any,
+    tokens: Sequence[str],
+    key_tokens: Sequence[str] | None = None,
+    *,
+    title: str | None = None,
+    annotate: bool | None = None,
+    count_from: int = 0,
+    cmap: str = "Blues",
+    panel: float = 2.6,
+    dpi: float = 100,
+) -> Any:
+    """Every head of every layer, ``(l, h, i, j)``, each panel labelled (and annotated) in full.
+
+    Rows are layers, columns heads; panels share the 0-1 colour scale. For small maps, such as
+    a tabular model's few feature tokens; for a real text's overview use :func:`plot_overview`.
+    ``annotate`` writes each weight in its cell (default: up to 12 tokens); ``count_from`` is the
+    number of the first layer and head in the panel titles (1 to match text that counts from 1).
+    ``panel`` is the size of one panel in inches.
+    """
+    arr, q_tokens, k_tokens = as_attention4d(attention, tokens, key_tokens)
+    n_layers, n_heads, i, j = arr.shape
+    if annotate is None:
+        annotate = max(i, j) <= ANNOTATE_MAX_TOKENS
+    _, Figure = _matplotlib()
+    fig = Figure(figsize=(panel * n_heads, panel * n_layers + 0.4), dpi=dpi, layout="constrained")
+    axes = fig.subplots(n_layers, n_heads, squeeze=False)
+    vmax = max(1.0, float(arr.max()))
+    for layer in range(n_layers):
+        for h in range(n_heads):
+            ax = axes[layer, h]
+            _draw(
+                ax,
+                arr[layer, h],
+                q_tokens,
+                k_tokens,
+                cmap=cmap,
+                vmin=0.0,
+                vmax=vmax,
+                annotate=annotate,
+                labels=True,
+                limit=12,
+                fontsize=6,
+            )
+            ax.set_xlabel("")
+            ax.set_ylabel("")
+            ax.set_title(f"layer {layer + count_from} head {h + count_from}", fontsize=8)
+    fig.suptitle(
+        title or f"{n_layers} layers x {n_heads} heads (rows attend to columns)",
+        fontsize=9,
+        parse_math=False,
+    )
     return fig
 
 

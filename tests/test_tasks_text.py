@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
+from attnkit.tasks.registry import evaluate_checkpoint
+from attnkit.tasks.text import TextRun, train_text
 from attnkit.train import TrainConfig
-from attnkit.train.tasks import evaluate_checkpoint
-from attnkit.train.text import train_text
 
 pytestmark = [
     pytest.mark.slow,
@@ -20,11 +20,12 @@ pytestmark = [
 
 def test_scratch_run_writes_metrics_words_and_reloads(tmp_path):
     torch.set_num_threads(1)
-    m = train_text(
-        variant="scratch", seed=0, out=tmp_path, limit_train=200, baseline=False,
-        model_config={"d_model": 16, "num_heads": 2, "num_layers": 1},
-        train_config=TrainConfig(epochs=1, batch_size=50, patience=0), progress=False,
+    run = TextRun(
+        variant="scratch", seed=0, limit_train=200, baseline=False,
+        model={"d_model": 16, "num_heads": 2, "num_layers": 1},
+        train=TrainConfig(epochs=1, batch_size=50, patience=0),
     )  # fmt: skip
+    m = train_text(run, out=tmp_path, progress=False)
     assert m["n_train"] == 200 and m["params"] > 0 and 0 <= m["test_accuracy"] <= 1
     words = json.loads((tmp_path / "words.json").read_text())
     assert len(words) == 6  # three reviews of each class
@@ -37,3 +38,8 @@ def test_scratch_run_writes_metrics_words_and_reloads(tmp_path):
     again = evaluate_checkpoint(tmp_path)
     assert again["test_accuracy"] == m["test_accuracy"]
     assert again["val_accuracy"] == pytest.approx(m["val_accuracy"], abs=1e-4)
+
+
+def test_run_names_a_known_variant() -> None:
+    with pytest.raises(ValueError, match="variant must be 'scratch' or 'pretrained'"):
+        TextRun(variant="large")

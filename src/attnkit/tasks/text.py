@@ -1,35 +1,39 @@
 """The text worked example: fresh/rotten review snippets, three models on one split.
 
-``train_text`` trains either variant and, in the same run, the baseline:
+``train_text(TextRun(variant=...), out=...)`` trains either variant and, in the same run, the
+baseline:
 
-- ``baseline``: TF-IDF (word uni- and bigrams) + logistic regression, scikit-learn;
+- ``baseline``: TF-IDF (word unigrams) + logistic regression, scikit-learn;
 - ``scratch``: ``TextAttentionClassifier`` (word embeddings, sinusoidal positions, transformer
   blocks, attention pooling) with the word-level vocabulary of ``attnkit.train.data``;
 - ``pretrained``: ``PretrainedTextClassifier``, attnkit's BERT with the bundled MiniLM weights,
   fine-tuned with a mean-pooled linear head.
 
-It then prints, for a few test reviews (the first of each class in the test split, not picked
+It then reports, for a few test reviews (the first of each class in the test split, not picked
 by hand), the words the model weighted most: the pooling weights (scratch) or the last layer's
 [CLS] attention averaged over heads (pretrained), and renders them to ``out/words.html`` with
-``attnkit.viz`` when it is installed.
+``attnkit.viz.token_highlight_html``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from attnkit.distributed.ddp import current_env, fit_on_ranks
+from attnkit.distributed.ddp import current_env
+from attnkit.models.bert_pretrained import load_pretrained
 from attnkit.models.classifiers import (
     PretrainedTextClassifier,
     TextAttentionClassifier,
     TextConfig,
     count_parameters,
 )
+from attnkit.tasks.parallel import fit_on_ranks
 from attnkit.train.checkpoint import (
     FORMAT,
     MODEL_FILE,
@@ -39,16 +43,27 @@ from attnkit.train.checkpoint import (
     start_run,
 )
 from attnkit.train.data import RT_LABELS, TextData, Vocab, load_rotten_tomatoes
-from attnkit.train.loop import TrainConfig, default_optimizer, evaluate
+from attnkit.train.loop import FitOptions, TrainConfig, default_optimizer, evaluate
+from attnkit.viz.explorer import save_html
+from attnkit.viz.highlight import token_highlight_html
 
-__all__ = ["PRETRAINED_TRAIN", "SCRATCH_TRAIN", "baseline_tfidf", "train_text"]
+__all__ = [
+    "PRETRAINED_TRAIN",
+    "SCRATCH_TRAIN",
+    "TextRun",
+    "baseline_tfidf",
+    "evaluate_text",
+    "explain",
+    "scratch_datasets",
+    "train_text",
+]
 
 SCRATCH_TRAIN = TrainConfig(
     epochs=8, batch_size=64, lr=1e-3, weight_decay=0.05, warmup_frac=0.05, patience=3
 )
 # Fine-tuning: warm-up then linear decay (Devlin et al. 2019, appendix A.3); one epoch with the
 # embeddings and the three lowest layers frozen keeps it to minutes on 2 cores. With so few steps
-# 2e-4 beat 8e-5 on validation (79.2 % vs 76.1 %, 2,000-2,500 snippets, first session).
+# 2e-4 beat 8e-5 on validation (79.2 % vs 76.1 %, 2,000-2,500 snippets).
 PRETRAINED_TRAIN = TrainConfig(
     epochs=1,
     batch_size=32,
@@ -62,6 +77,37 @@ PRETRAINED_FREEZE = 3
 VOCAB_FILE = "vocab.json"
 TRAIN_EVAL = 500
 HEAD_LR_SCALE = 20.0
+VARIANTS = ("scratch", "pretrained")
+
+
+@dataclass(frozen=True)
+class TextRun:
+    """What one text run trains.
+
+    Attributes:
+        variant: ``"scratch"`` or ``"pretrained"``.
+        seed: seeds the split, the initial weights and the order (replaces ``train.seed``).
+        model: overrides of the model's settings (``d_model``, ``num_heads``, ``num_layers``,
+            ``dropout`` for scratch; ``freeze_layers``, ``dropout`` for pretrained).
+        train: the recipe; ``None`` is ``SCRATCH_TRAIN`` or ``PRETRAINED_TRAIN`` by variant.
+        max_len: tokens per snippet.
+        limit_train: keep only the first N training snippets (quick checks); ``None``: all.
+        baseline: also fit the TF-IDF baseline on the same split.
+        examples_per_class: test reviews per class whose most weighted words are reported.
+    """
+
+    variant: str = "scratch"
+    seed: int = 0
+    model: Mapping[str, Any] = field(default_factory=dict)
+    train: TrainConfig | None = None
+    max_len: int = 64
+    limit_train: int | None = None
+    baseline: bool = True
+    examples_per_class: int = 3
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be 'scratch' or 'pretrained', got {self.variant!r}")
 
 
 def baseline_tfidf(data: TextData, cs: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)) -> dict[str, Any]:
@@ -95,7 +141,8 @@ def baseline_tfidf(data: TextData, cs: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0))
 # ------------------------------------------------------------------------------------ datasets
 
 
-def _scratch_sets(data: TextData, vocab: Vocab, max_len: int) -> list[dict]:
+def scratch_datasets(data: TextData, vocab: Vocab, max_len: int) -> list[dict]:
+    """Train / validation / test as ``fit``'s datasets: word ids, padding mask, labels."""
     sets = []
     for texts, labels in (
         (data.train_texts, data.train_labels),
@@ -138,8 +185,6 @@ def _build(variant: str, config: dict[str, Any], seed: int) -> torch.nn.Module:
     if variant == "scratch":
         return TextAttentionClassifier(TextConfig(**config))
     if variant == "pretrained":
-        from attnkit.models.bert import load_pretrained
-
         bert = load_pretrained()
         return PretrainedTextClassifier(bert.model, **config)
     raise ValueError(f"variant must be 'scratch' or 'pretrained', got {variant!r}")
@@ -164,8 +209,6 @@ def pretrained_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.o
 
 def _tokenizer() -> Any:
     from tokenizers import Tokenizer  # noqa: F401  (the `bert` extra; fail here, clearly)
-
-    from attnkit.models.bert import load_pretrained
 
     return load_pretrained().tokenizer
 
@@ -210,11 +253,8 @@ def _pick_examples(labels: torch.Tensor, per_class: int) -> list[int]:
     return sorted(picks)
 
 
-def _render(explained: list[dict[str, Any]], title: str, path: Path) -> bool:
-    try:
-        from attnkit.viz import save_html, token_highlight_html
-    except ImportError:
-        return False
+def _render(explained: list[dict[str, Any]], title: str, path: Path) -> None:
+    """``words.html``: each review's words shaded by their weight."""
     parts = [
         token_highlight_html(
             e["tokens"],
@@ -224,46 +264,37 @@ def _render(explained: list[dict[str, Any]], title: str, path: Path) -> bool:
         for e in explained
     ]
     save_html("\n".join(parts), path)
-    return True
 
 
 # ------------------------------------------------------------------------------------ the task
 
 
 def train_text(
+    run: TextRun | None = None,
     *,
-    variant: str = "scratch",
-    seed: int = 0,
     out: str | Path | None = None,
-    model_config: dict[str, Any] | None = None,
-    train_config: TrainConfig | None = None,
-    max_len: int = 64,
     resume: bool = False,
     progress: bool | None = None,
-    baseline: bool = True,
-    examples_per_class: int = 3,
-    limit_train: int | None = None,
 ) -> dict[str, Any]:
-    """Train the ``variant`` text classifier (and the baseline) on the seeded split; metrics.
+    """Train the ``run.variant`` text classifier (and the baseline) on the seeded split; metrics.
 
-    ``model_config`` overrides the model's settings (``d_model``, ``num_heads``, ``num_layers``,
-    ``dropout`` for scratch; ``freeze_layers``, ``dropout`` for pretrained). ``limit_train`` keeps
-    only the first N training snippets (for quick checks; the reported runs use all).
+    ``run`` defaults to ``TextRun()``; results and the checkpoint go to ``out``; ``resume``
+    continues the run saved there; ``progress`` shows a bar (``None``: when stderr is a terminal).
     """
-    if variant not in ("scratch", "pretrained"):
-        raise ValueError(f"variant must be 'scratch' or 'pretrained', got {variant!r}")
+    run = run or TextRun()
+    variant, seed, max_len, limit_train = run.variant, run.seed, run.max_len, run.limit_train
     default = SCRATCH_TRAIN if variant == "scratch" else PRETRAINED_TRAIN
-    train_config = TrainConfig(**{**asdict(train_config or default), "seed": seed})
+    train_config = replace(run.train or default, seed=seed)
     out = Path(out) if out is not None else None
     data = load_rotten_tomatoes(seed)
     data = data.limited(limit_train)
     if variant == "scratch":
         vocab = Vocab.build(data.train_texts)
-        config = {"vocab_size": len(vocab), "max_len": max_len, **(model_config or {})}
-        sets = _scratch_sets(data, vocab, max_len)
+        config = {"vocab_size": len(vocab), "max_len": max_len, **run.model}
+        sets = scratch_datasets(data, vocab, max_len)
     else:
         vocab = None
-        config = {"freeze_layers": PRETRAINED_FREEZE, "dropout": 0.1, **(model_config or {})}
+        config = {"freeze_layers": PRETRAINED_FREEZE, "dropout": 0.1, **run.model}
         tokenizer = _tokenizer()
         sets = _bert_sets(data, tokenizer, max_len)
     run_config = {
@@ -281,22 +312,17 @@ def train_text(
     if out is not None and env.is_main and vocab is not None:
         save_json(out / VOCAB_FILE, vocab.words)
 
-    base = baseline_tfidf(data) if baseline else None
+    base = baseline_tfidf(data) if run.baseline else None
     model = _build(variant, config, seed)
     train, val, test = sets
-    make_optimizer = default_optimizer if variant == "scratch" else pretrained_optimizer
-    # Data parallel (a no-op on one process): attnkit.distributed.ddp.
-    result = fit_on_ranks(
-        model,
-        train,
-        val,
-        train_config,
-        env,
+    options = FitOptions(
         out_dir=out,
         resume=resume,
         progress=progress,
-        make_optimizer=make_optimizer,
+        make_optimizer=default_optimizer if variant == "scratch" else pretrained_optimizer,
     )
+    # Data parallel (a no-op on one process): attnkit.tasks.parallel.
+    result = fit_on_ranks(model, train, val, train_config, env, options)
     # Validation accuracy of the kept epoch is already known (same weights, eval mode); the
     # pretrained model's train accuracy is measured on the first TRAIN_EVAL snippets (a full
     # pass over 10k snippets would cost a third of the fine-tuning).
@@ -325,7 +351,7 @@ def train_text(
         max_len=max_len,
         **{k: config[k] for k in ("d_model", "num_heads", "num_layers") if k in config},
     )
-    picks = _pick_examples(test["labels"], examples_per_class)
+    picks = _pick_examples(test["labels"], run.examples_per_class)
     subset = {k: v[picks] for k, v in test.items()}
     texts = [data.test_texts[k] for k in picks]
     if vocab is not None:
@@ -340,7 +366,8 @@ def train_text(
     if out is not None and env.is_main:
         save_json(out / "words.json", explained)
         title = "pooling weights" if variant == "scratch" else "last-layer [CLS] attention"
-        metrics["words_html"] = _render(explained, title, out / "words.html")
+        _render(explained, title, out / "words.html")
+        metrics["words_html"] = True
         save_json(out / "metrics.json", metrics)
     return metrics
 
@@ -353,13 +380,14 @@ def _metrics(model: torch.nn.Module, train: dict, val: dict, test: dict) -> dict
 
 
 def evaluate_text(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """Accuracies of the checkpoint in ``directory`` on the split its ``config.json`` seeds."""
     variant, seed, max_len = config["variant"], int(config["seed"]), int(config["max_len"])
     data = load_rotten_tomatoes(seed).limited(config.get("limit_train"))
     if variant == "scratch":
         words = load_json(directory / VOCAB_FILE)
         if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
             raise ValueError(f"{directory / VOCAB_FILE}: expected a JSON list of words")
-        sets = _scratch_sets(data, Vocab(words), max_len)
+        sets = scratch_datasets(data, Vocab(words), max_len)
     else:
         sets = _bert_sets(data, _tokenizer(), max_len)
         sets[0] = {k: v[:TRAIN_EVAL] for k, v in sets[0].items()}  # as in train_text

@@ -1,14 +1,26 @@
-"""Dispatch for the CLI: evaluate any checkpoint directory, print results as a table."""
+"""The worked examples by name: evaluate any checkpoint directory, print results as a table.
+
+A checkpoint's ``config.json`` names its task (``"iris"`` or ``"text"``); ``TASKS`` maps that
+name to the function that re-tests such a checkpoint, ``(directory, config) -> metrics``.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from attnkit.tasks.iris import evaluate_iris
+from attnkit.tasks.text import evaluate_text
 from attnkit.train.checkpoint import read_config, save_json
 
-__all__ = ["evaluate_checkpoint", "format_table"]
+__all__ = ["TASKS", "evaluate_checkpoint", "format_table"]
+
+TASKS: dict[str, Callable[[Path, dict[str, Any]], dict[str, Any]]] = {
+    "iris": evaluate_iris,
+    "text": evaluate_text,
+}
 
 
 def evaluate_checkpoint(directory: str | Path, *, write: bool = True) -> dict[str, Any]:
@@ -22,16 +34,10 @@ def evaluate_checkpoint(directory: str | Path, *, write: bool = True) -> dict[st
     config = read_config(directory)
     started = time.perf_counter()
     task = config.get("task")
-    if task == "iris":
-        from attnkit.train.iris import evaluate_iris
-
-        metrics = evaluate_iris(directory, config)
-    elif task == "text":
-        from attnkit.train.text import evaluate_text
-
-        metrics = evaluate_text(directory, config)
-    else:
-        raise ValueError(f"{directory / 'config.json'}: unknown task {task!r} (iris or text)")
+    if task not in TASKS:
+        known = " or ".join(TASKS)
+        raise ValueError(f"{directory / 'config.json'}: unknown task {task!r} ({known})")
+    metrics = TASKS[task](directory, config)
     metrics.update(
         task=task,
         variant=config.get("variant"),

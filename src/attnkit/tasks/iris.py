@@ -1,23 +1,25 @@
 """The Iris worked example: train, test, and look at what the attention heads do.
 
-``train_iris`` builds the tabular attention classifier (``attnkit.models.classifiers``), trains it
-with ``attnkit.train.fit`` on a stratified 60/20/20 split (standardised with training statistics),
-and writes into ``out``: the checkpoint, ``metrics.json``, ``attention.json`` (the mean
-feature-to-feature attention map of every head on the test set, and what each head attends to)
-and ``attention.png`` when matplotlib is installed.
+``train_iris(IrisRun(seed=...), out=...)`` builds the tabular attention classifier
+(``attnkit.models.classifiers``), trains it with ``attnkit.train.fit`` on a stratified 60/20/20
+split (standardised with training statistics), and writes into ``out``: the checkpoint,
+``metrics.json``, ``attention.json`` (the mean feature-to-feature attention map of every head on
+the test set, and what each head attends to) and ``attention.png`` (``attnkit.viz.plot_grid``)
+when matplotlib is installed.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from attnkit.distributed.ddp import current_env, fit_on_ranks
+from attnkit.distributed.ddp import current_env
 from attnkit.models.classifiers import TabularAttentionClassifier, TabularConfig, count_parameters
+from attnkit.tasks.parallel import fit_on_ranks
 from attnkit.train.checkpoint import (
     FORMAT,
     MODEL_FILE,
@@ -26,13 +28,17 @@ from attnkit.train.checkpoint import (
     start_run,
 )
 from attnkit.train.data import IRIS_FEATURES, load_iris_splits
-from attnkit.train.loop import TrainConfig, evaluate
+from attnkit.train.loop import FitOptions, TrainConfig, evaluate
+from attnkit.viz.heatmap import plot_grid, save_figure
 
 __all__ = [
     "IRIS_TRAIN",
+    "IrisRun",
     "build_iris",
     "describe_heads",
+    "evaluate_iris",
     "iris_attention",
+    "iris_datasets",
     "summarize_heads",
     "train_iris",
 ]
@@ -45,7 +51,20 @@ IRIS_TRAIN = TrainConfig(
 )
 FRACTIONS = (0.6, 0.2, 0.2)
 TOKENS = ("CLS", *IRIS_FEATURES)
+SHORT_TOKENS = ("CLS", "sep.L", "sep.W", "pet.L", "pet.W")  # picture labels, TOKENS' order
 SEPAL, PETAL = (1, 2), (3, 4)  # token positions (0 is CLS)
+
+
+@dataclass(frozen=True)
+class IrisRun:
+    """What one Iris run trains: the seed (split, initial weights, order), model and recipe.
+
+    ``train.seed`` is replaced by ``seed``, so one number seeds the whole run.
+    """
+
+    seed: int = 0
+    model: TabularConfig = field(default_factory=TabularConfig)
+    train: TrainConfig = IRIS_TRAIN
 
 
 def build_iris(config: TabularConfig, seed: int) -> TabularAttentionClassifier:
@@ -53,9 +72,10 @@ def build_iris(config: TabularConfig, seed: int) -> TabularAttentionClassifier:
     return TabularAttentionClassifier(config)
 
 
-def _datasets(
+def iris_datasets(
     seed: int, fractions: tuple[float, float, float] = FRACTIONS
 ) -> tuple[dict, dict, dict]:
+    """The seeded train / validation / test splits as ``fit``'s datasets (features, labels)."""
     d = load_iris_splits(seed, fractions)
     return (
         {"features": d.x_train, "labels": d.y_train},
@@ -101,7 +121,7 @@ def describe_heads(maps: torch.Tensor) -> list[str]:
 
 
 def summarize_heads(maps: torch.Tensor) -> str:
-    """The brief says heads specialise in sepal vs petal measurements; what the numbers say."""
+    """Do heads specialise in sepal or petal measurements? What the numbers say, in a sentence."""
     petal = maps[:, :, 1:, list(PETAL)].sum(-1).mean(-1)  # (layers, h): feature rows -> petals
     sepal = maps[:, :, 1:, list(SEPAL)].sum(-1).mean(-1)
     cls_petal = maps[:, :, 0, list(PETAL)].sum(-1)  # (layers, h)
@@ -119,58 +139,39 @@ def summarize_heads(maps: torch.Tensor) -> str:
 
 
 def _plot(maps: torch.Tensor, path: Path) -> bool:
+    """``attention.png``: every head's mean map, annotated; ``False`` without matplotlib."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        fig = plot_grid(
+            maps,
+            SHORT_TOKENS,
+            title="Iris: mean attention on the test set (rows attend to columns)",
+            count_from=1,  # as describe_heads counts
+            cmap="viridis",
+        )
     except ImportError:
         return False
-    layers, heads = maps.shape[:2]
-    fig, axes = plt.subplots(layers, heads, figsize=(2.6 * heads, 2.6 * layers), squeeze=False)
-    short = ("CLS", "sep.L", "sep.W", "pet.L", "pet.W")
-    for layer in range(layers):
-        for head in range(heads):
-            ax = axes[layer][head]
-            m = maps[layer, head]
-            ax.imshow(m.numpy(), vmin=0, vmax=1, cmap="viridis")
-            for q in range(m.shape[0]):
-                for k in range(m.shape[1]):
-                    ink = "black" if m[q, k] > 0.6 else "white"
-                    ax.text(k, q, f"{m[q, k]:.2f}", ha="center", va="center", fontsize=6, color=ink)
-            ax.set_xticks(range(5), short, rotation=90, fontsize=7)
-            ax.set_yticks(range(5), short, fontsize=7)
-            ax.set_title(f"layer {layer + 1} head {head + 1}", fontsize=8)
-    fig.suptitle("Iris: mean attention on the test set (rows attend to columns)", fontsize=9)
-    fig.tight_layout()
-    import io
-
-    from attnkit._io import atomic_write_bytes
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path, dpi=110)
     return True
 
 
 def train_iris(
+    run: IrisRun | None = None,
     *,
-    seed: int = 0,
     out: str | Path | None = None,
-    model_config: TabularConfig | None = None,
-    train_config: TrainConfig | None = None,
     resume: bool = False,
     progress: bool | None = None,
 ) -> dict[str, Any]:
     """Train and test the Iris classifier; returns (and writes to ``out``) the metrics.
 
+    ``run`` defaults to ``IrisRun()``; ``resume`` continues the run saved in ``out``;
+    ``progress`` shows a bar (``None``: when stderr is a terminal).
+
     Tensors here are tiny (16 x 5 tokens x 64), so run it with ``torch.set_num_threads(1)``: extra
     threads only add synchronisation (20x slower on a busy 2-core machine); the CLI does this.
     """
-    model_config = model_config or TabularConfig()
-    train_config = train_config or IRIS_TRAIN
-    train_config = TrainConfig(**{**asdict(train_config), "seed": seed})
+    run = run or IrisRun()
+    seed, model_config = run.seed, run.model
+    train_config = replace(run.train, seed=seed)
     out = Path(out) if out is not None else None
     run_config = {
         "format": FORMAT,
@@ -182,13 +183,12 @@ def train_iris(
     }
     env = current_env()  # several processes under torchrun: only rank 0 writes
     start_run(out, run_config, resume=resume, writer=env.is_main)
-    train, val, test = _datasets(seed)
+    train, val, test = iris_datasets(seed)
     model = build_iris(model_config, seed)
     started = time.perf_counter()
-    # Data parallel (a no-op on one process): attnkit.distributed.ddp.
-    result = fit_on_ranks(
-        model, train, val, train_config, env, out_dir=out, resume=resume, progress=progress
-    )
+    # Data parallel (a no-op on one process): attnkit.tasks.parallel.
+    options = FitOptions(out_dir=out, resume=resume, progress=progress)
+    result = fit_on_ranks(model, train, val, train_config, env, options)
     wall = time.perf_counter() - started
     metrics = _metrics(model, train, val, test)
     maps = iris_attention(model, test["features"])
@@ -235,8 +235,9 @@ def _metrics(model: torch.nn.Module, train: dict, val: dict, test: dict) -> dict
 
 
 def evaluate_iris(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """Accuracies of the checkpoint in ``directory`` on the split its ``config.json`` seeds."""
     model_config = TabularConfig(**config["model"])
     model = TabularAttentionClassifier(model_config)
     load_model_weights(model, directory / MODEL_FILE)
-    train, val, test = _datasets(int(config["seed"]))
+    train, val, test = iris_datasets(int(config["seed"]))
     return {**_metrics(model, train, val, test), "params": count_parameters(model)}
