@@ -10,7 +10,7 @@ median forward and forward+backward time and the peak extra memory of:
     torch + window mask    the fused kernel given a dense sliding-window mask (256 keys)
     tiled / tiled causal   attnkit's tiled backend (FlashAttention in PyTorch)
     tiled + ALiBi fn       the tiled backend given ALiBi as a bias *function* (never n x n),
-                           declared relative (``structure.relative``): evaluated once per pass
+                           declared relative (``masks.relative``): evaluated once per pass
     torch + relative tensor / tiled + relative fn
                            the same pair for a T5-style relative-position bucket bias (a
                            learned-looking table per head, log-spaced buckets: never underflows),
@@ -103,7 +103,7 @@ def flops(method: str, b: int, n: int, mode: str) -> float | None:
 
 
 def _alibi_fn(slopes):
-    from attnkit.backends.structure import relative
+    from attnkit.masks import relative
 
     def alibi(b, h, i, j):  # ALiBi (Press et al. 2022), symmetric: -slope_h * |i - j|
         return -slopes[h] * (i - j).abs()
@@ -124,8 +124,9 @@ def _relative_fn(table):
         far = 8 + (torch.log(a.clamp(min=1).float() / 8) / math.log(16) * 8).long().clamp(max=7)
         return table[h, torch.where(a < 8, a, far) + (d > 0).long() * 16]
 
-    relative.relative = True  # depends on j - i only (attnkit.backends.structure.relative)
-    return relative
+    from attnkit.masks import declare
+
+    return declare(relative, relative=True)  # depends on j - i only
 
 
 def make_call(method: str, q, k, v):

@@ -27,28 +27,30 @@ def test_flops() -> None:
 def test_targets_met_and_missed() -> None:
     rows = [
         _row("torch", 8192, 1.0, 3.0, 10, 100),
-        _row("tiled", 8192, 1.2, 3.5, 20, 140),  # 0.83x, 0.86x: T1 met; memory 1.4x: T3 met
+        _row("tiled", 8192, 1.2, 3.5, 20, 140),  # 0.83x, 0.86x: speed met; memory 1.4x: met
         _row("torch causal", 8192, 1.0, 3.0),
-        _row("tiled causal", 8192, 1.5, 3.0),  # 0.67x forward: T1 missed
+        _row("tiled causal", 8192, 1.5, 3.0),  # 0.67x forward: speed missed
         _row("torch + ALiBi tensor", 8192, 2.0, 6.0, 1000, 4000),
         _row("tiled + ALiBi fn", 8192, 1.5, 5.0, 20, 600),  # faster, but 0.15 memory: missed
         _row("torch + relative tensor", 8192, 2.0, 6.0, 1000, 4000),
         _row("tiled + relative fn", 8192, 1.5, 5.5, 20, 400),  # 1.09x, 0.1 memory: met
         _row("tiled + relative fn, undeclared", 8192, 3.0, 12.0),  # 0.5x: reported, no target
         _row("torch", 16384, 4.0, 12.0),
-        _row("linear", 16384, 0.1, 0.5),  # 40x, 24x: T5 met
+        _row("linear", 16384, 0.1, 0.5),  # 40x, 24x: met
         _row("torch + window mask", 16384, 8.0, 24.0),
-        _row("sparse window 256", 16384, 0.6, 1.0),  # 13x, 24x: T4 missed
+        _row("sparse window 256", 16384, 0.6, 1.0),  # 13x, 24x: missed
     ]
     t = bench.evaluate_targets(rows, ["fwd", "fwdbwd"])
-    assert t[("tiled", 8192)][0].startswith("T1 met")
-    assert t[("tiled", 8192)][1].startswith("T3 met")
-    assert t[("tiled causal", 8192)][0].startswith("T1 missed")
-    assert t[("tiled + ALiBi fn", 8192)][0].startswith("T2 missed")
-    assert t[("tiled + relative fn", 8192)][0].startswith("T2 met (1.09x speed, memory 0.100")
+    assert t[("tiled", 8192)][0].startswith("speed >= 0.75x torch: met")
+    assert t[("tiled", 8192)][1].startswith("memory <= 1.5x torch: met")
+    assert t[("tiled causal", 8192)][0].startswith("speed >= 0.75x torch: missed")
+    assert t[("tiled + ALiBi fn", 8192)][0].startswith("speed >= dense bias: missed")
+    assert t[("tiled + relative fn", 8192)][0].startswith(
+        "speed >= dense bias: met (1.09x speed, memory 0.100"
+    )
     assert t[("tiled + relative fn, undeclared", 8192)] == ["for comparison: 0.50x speed"]
-    assert t[("linear", 16384)][0].startswith("T5 met")
-    assert t[("sparse window 256", 16384)][0].startswith("T4 missed")
+    assert t[("linear", 16384)][0].startswith("speed >= 20x torch: met")
+    assert t[("sparse window 256", 16384)][0].startswith("speed >= 15x dense window: missed")
     assert bench.fits("math", 1, 4096, 6.0) and not bench.fits("math", 1, 16384, 6.0)
 
 

@@ -110,7 +110,7 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """One transformer layer: self-attention, optional cross-attention, feed-forward.
 
-    Post-norm (``norm_first=False``, the original paper and the brief)::
+    Post-norm (``norm_first=False``, as in the original paper)::
 
         x = attn_norm(x + dropout(self_attn(x)))
         x = cross_norm(x + dropout(cross_attn(x, memory)))      # decoder blocks only

@@ -7,8 +7,8 @@ similarity with a kernel ``phi(q_i) . phi(k_j)``, with the feature map ``phi(x) 
     out_i = phi(q_i)^T S / phi(q_i)^T z,     S = sum_j phi(k_j) v_j^T  (d x dv),  z = sum_j phi(k_j)
 
 so the cost is O(n d dv) instead of O(n^2 d). The denominator is the normaliser
-``phi(q_i) . sum_j phi(k_j)``: the weights of a row sum to one. (The brief's tutorial divides by
-something else; that is the bug this module does not copy.)
+``phi(q_i) . sum_j phi(k_j)``: the weights of a row sum to one (some tutorials divide by
+something else, and their rows do not).
 
 Causal (eq. 8-9): ``S`` and ``z`` become prefix sums over ``j <= i``. Computing them for every
 position would take O(n d dv) memory; instead the sequence is cut into chunks of ``C``: within a
