@@ -198,7 +198,7 @@ def fig_sparse_layouts() -> Any:
 
     n, block = 32, 4
     layouts = {
-        "sliding_window(left=4)": sparse.sliding_window(4),
+        "window_fn(left=4)": masks.window_fn(4),
         "strided blocks\n(local=2, stride=3)": sparse.block_sparse(
             sparse.strided_layout(n // block, 2, 3), block
         ),

@@ -11,7 +11,6 @@ from attnkit.backends import BackendUnavailable
 from attnkit.backends.sparse import (
     block_sparse,
     dilated_layout,
-    sliding_window,
     strided_layout,
     topk_attention,
 )
@@ -29,7 +28,7 @@ def _qkv(n: int, h: int = 4, h_kv: int = 2, seed: int = 0):
 
 
 LAYOUTS = {
-    "window": lambda n: sliding_window(20, 3),
+    "window": lambda n: masks.window_fn(20, 3),
     "strided": lambda n: block_sparse(strided_layout(-(-n // 16), 2, 3), 16),
     "dilated": lambda n: block_sparse(dilated_layout(-(-n // 16), 3, 2), 16),
     "random blocks": lambda n: block_sparse(
@@ -73,7 +72,7 @@ def test_sparse_refuses_unstructured_masks_and_dropout() -> None:
     with pytest.raises(BackendUnavailable, match="layout"):
         scaled_dot_product_attention(q, k, v, torch.ones(9, 9, dtype=bool), backend="sparse")
     with pytest.raises(BackendUnavailable, match="dropout_p"):
-        scaled_dot_product_attention(q, k, v, sliding_window(3), dropout_p=0.1, backend="sparse")
+        scaled_dot_product_attention(q, k, v, masks.window_fn(3), dropout_p=0.1, backend="sparse")
     with pytest.raises(ValueError, match="layout must be a 2-D bool"):
         block_sparse(torch.ones(3, 3), 4)
 

@@ -38,6 +38,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from attnkit._numerics import blocked
 from attnkit._structure import (
     Band,
     Structure,
@@ -258,8 +259,8 @@ def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         raise TypeError(f"to_additive takes a bool mask, got dtype {mask.dtype}")
     if not dtype.is_floating_point:
         raise TypeError(f"to_additive needs a floating dtype, got {dtype}")
-    blocked = torch.finfo(dtype).min
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, blocked)
+    zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return zeros.masked_fill_(~mask, blocked(dtype))
 
 
 # Mask functions: the same patterns as callables, for backends that work tile by tile.

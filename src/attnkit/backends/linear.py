@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit._numerics import compute_dtype
+from attnkit.masks import causal_offset
 
 __all__ = ["feature_map", "linear_attention", "linear_attention_quadratic"]
 
@@ -89,7 +90,7 @@ def linear_attention(
         return (num / (den + eps)).reshape(b, h, ni, dv).to(query.dtype)
 
     # Keys before the aligned part (j - i of them) are visible to every query: an initial state.
-    lead = nj - ni
+    lead = causal_offset(ni, nj)
     state0 = pk[:, :, :lead].transpose(-2, -1) @ v[:, :, :lead]  # (b, h_kv, d, dv)
     z0 = pk[:, :, :lead].sum(dim=2)  # (b, h_kv, d)
     pk, v = pk[:, :, lead:], v[:, :, lead:]  # now aligned with the queries: (b, h_kv, i, .)
@@ -128,6 +129,6 @@ def linear_attention_quadratic(
     sim = pq @ pk.transpose(-2, -1)  # (b, h, i, j)
     if is_causal:
         ni, nj = query.shape[2], key.shape[2]
-        keep = torch.ones(ni, nj, dtype=torch.bool, device=query.device).tril(nj - ni)
+        keep = torch.ones(ni, nj, dtype=torch.bool, device=query.device).tril(causal_offset(ni, nj))
         sim = sim * keep
     return (sim @ v) / (sim.sum(dim=-1, keepdim=True) + eps)

@@ -12,7 +12,7 @@ given ``masks.materialize(layout, ...)``.
 
 Layouts (block size ``block`` positions; ``i``/``j`` absolute positions)::
 
-    sliding_window(left, right)   key k visible from q when -right <= q - k <= left
+    masks.window_fn(left, right)  key k visible from q when -right <= q - k <= left
     block_sparse(layout, block)   q sees k when layout[q // block, k // block] (any bool matrix)
     dilated_layout(...)           block I sees blocks I, I - dilation, I - 2 dilation, ...
     strided_layout(...)           block I sees the `local` previous blocks and every
@@ -35,23 +35,17 @@ from torch import Tensor
 from attnkit._numerics import blocked, compute_dtype
 from attnkit.backends.tiled import run_call
 from attnkit.backends.tiled import why_not as tiled_why_not
-from attnkit.masks import MaskFn, causal_offset, declare, pad_to_rank, structure_of, window_fn
+from attnkit.masks import MaskFn, causal_offset, declare, pad_to_rank, structure_of
 from attnkit.registry import AttentionCall, register_backend
 
 __all__ = [
     "block_sparse",
     "dilated_layout",
-    "sliding_window",
     "strided_layout",
     "topk_attention",
 ]
 
 WINDOW_BLOCK = 128  # tile size for windows and other layouts that declare none
-
-
-def sliding_window(left: int, right: int = 0, offset: int = 0) -> MaskFn:
-    """Query ``q`` sees keys ``k`` with ``-right <= (q + offset) - k <= left`` (masks.window_fn)."""
-    return window_fn(left, right, offset)
 
 
 def dilated_layout(n_blocks: int, window: int, dilation: int) -> Tensor:
@@ -104,8 +98,8 @@ def why_not(call: AttentionCall) -> str | None:
         return reason
     if not (callable(call.mask) and structure_of(call.mask).skips):
         return (
-            "the sparse backend needs a mask function that declares its layout (sliding_window, "
-            "block_sparse, masks.window_fn or one declared with masks.declare); "
+            "the sparse backend needs a mask function that declares its layout (masks.window_fn, "
+            "block_sparse or one declared with masks.declare); "
             "use backend='tiled' for other masks"
         )
     return None

@@ -55,9 +55,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from attnkit._numerics import blocked, compute_dtype
 from attnkit.backends.tiled import backward_blocks, forward_blocks, merge
 from attnkit.distributed.layout import LAYOUTS, Layout, Segments, shard_lengths, shard_segments
-from attnkit.masks import BiasFn, MaskFn, causal_fn
+from attnkit.masks import BiasFn, MaskFn, causal_fn, causal_offset
 
 __all__ = ["ring_attention"]
 
@@ -234,7 +235,7 @@ def _make_plan(
             for r in range(world_size)
         ),
         k_lengths=tuple(k_lengths),
-        causal_offset=(n_k - n_q) if is_causal else None,
+        causal_offset=causal_offset(n_q, n_k) if is_causal else None,
         scale=float(scale),
         mask=mask,  # type: ignore[arg-type]
         bias=bias,  # type: ignore[arg-type]
@@ -303,10 +304,10 @@ def _wait(works: list[dist.Work]) -> None:
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
     b, h, i, _ = q.shape
-    acc = torch.promote_types(q.dtype, torch.float32)  # accumulate in float32 (float64 stays)
+    acc = compute_dtype(q.dtype)  # accumulate in float32 (float64 stays)
     out = q.new_zeros((b, h, i, v.shape[-1]), dtype=acc)  # (b, h, i, dv)
     # "Saw no key yet": the block step's convention is the finite minimum, not -inf.
-    lse = q.new_full((b, h, i), torch.finfo(acc).min, dtype=acc)
+    lse = q.new_full((b, h, i), blocked(acc), dtype=acc)
     k, v = k.contiguous(), v.contiguous()  # sent as messages (a shard may be a strided view)
     for step in range(plan.world_size):
         src = (plan.rank - step) % plan.world_size  # whose block (k, v) we hold now
@@ -327,7 +328,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, plan: _Plan) -> tuple[Tensor,
 def _ring_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor, plan: _Plan
 ) -> tuple[Tensor, Tensor, Tensor]:
-    acc = torch.promote_types(q.dtype, torch.float32)
+    acc = compute_dtype(q.dtype)
     k_dtype, v_dtype = k.dtype, v.dtype
     grad_q = q.new_zeros(q.shape, dtype=acc)
     k, v = k.contiguous(), v.contiguous()

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit._numerics import compute_dtype
 from attnkit.backends import get_backend
 from attnkit.models.bert import BertModel
 from attnkit.models.bert_config import BertConfig
@@ -196,7 +197,7 @@ def mean_pool(hidden: Tensor, mask: Tensor) -> Tensor:
 
     ``hidden (b, n, d)``, ``mask (b, n)`` bool -> ``(b, d)``. Sums run in at least float32.
     """
-    compute = torch.promote_types(hidden.dtype, torch.float32)
+    compute = compute_dtype(hidden.dtype)
     weights = mask.to(compute).unsqueeze(-1)  # (b, n, 1)
     summed = (hidden.to(compute) * weights).sum(dim=1)  # (b, d)
     counts = weights.sum(dim=1).clamp(min=1e-9)  # (b, 1), as sentence-transformers clamps
