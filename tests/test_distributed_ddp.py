@@ -4,6 +4,7 @@ does."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -117,6 +118,8 @@ def _plain_worker(rank: int, world: int, tmp: str) -> None:
         Path(tmp, "plain.json").write_text(
             json.dumps({"plain_param_diff": plain_diff, "losses": losses})
         )
+    gc.collect()  # the DDP wrapper (and its reducer's hold on the group) goes first
+    dist.barrier()  # both ranks are done before either tears the group down
 
 
 @pytest.mark.distributed
