@@ -54,3 +54,124 @@ def test_unknown_functions_are_evaluated() -> None:
     fn = lambda b, h, i, j: i == j  # noqa: E731
     assert tile_state(fn, 0, 4, 0, 4) is None
     assert key_ranges(fn, 0, 4, 0, 9) == [(0, 9)]
+
+
+def test_to_string_draws_the_tiles_of_a_causal_layout() -> None:
+    # Causal, 16 x 16 in tiles of 4: the diagonal tiles are partly visible, those below it
+    # fully, those above it skipped.
+    want = "\n".join(
+        [
+            "causal (k <= q + 0); 16 x 16, tiles of 4:",
+            "|░   |",
+            "|█░  |",
+            "|██░ |",
+            "|███░|",
+        ]
+    )
+    assert structure_of(masks.causal_fn(0)).to_string(16, 16, block=4) == want
+    # A window of 3 keys (left 2): query 4 still sees keys 2 and 3, query 8 sees none of 0-3.
+    window = structure_of(masks.window_fn(2, 0, 0)).to_string(12, 12, block=4)
+    assert window.splitlines()[1:] == ["|░  |", "|░░ |", "| ░░|"]
+    assert masks.Structure().to_string(5, 9, block=4).splitlines() == [
+        "no structure; 5 x 9, tiles of 4:",
+        "|░░░|",
+        "|░░░|",
+    ]
+
+
+def test_sparsity_counts_the_skipped_tiles() -> None:
+    causal = structure_of(masks.causal_fn(0))
+    assert causal.sparsity(16, 16, block=4) == 6 / 16  # the 6 tiles above the diagonal
+    assert causal.sparsity(10, 10, block=4) == 3 / 9  # ragged last tiles
+    assert masks.Structure().sparsity(100, 100, block=4) == 0.0
+    # For bands and block layouts the declared skips are exactly the all-blocked tiles.
+    rng = torch.Generator().manual_seed(2)
+    fns = [
+        masks.causal_fn(3),
+        masks.window_fn(5, 2, 0),
+        block_sparse(torch.rand(5, 6, generator=rng) > 0.5, 6),
+    ]
+    for fn in fns:
+        for n_i, n_j, block in ((30, 36, 6), (29, 31, 4)):
+            grid = _brute(fn, 0, n_i, 0, n_j)
+            tiles = [
+                not bool(grid[i0 : i0 + block, j0 : j0 + block].any())
+                for i0 in range(0, n_i, block)
+                for j0 in range(0, n_j, block)
+            ]
+            want = sum(tiles) / len(tiles)
+            assert structure_of(fn).sparsity(n_i, n_j, block) == want, (fn, n_i, block)
+
+
+def test_declare_replaces_the_given_fields_only() -> None:
+    causal = masks.causal_fn(2)
+    narrowed = masks.declare(causal, band=masks.Band(3, 0, 2))
+    assert narrowed.structure.band == masks.Band(3, 0, 2)
+    assert narrowed.fn is causal.fn  # unwrapped, not a function of a function
+    assert structure_of(causal).band == masks.Band(None, 0, 2)  # the original is unchanged
+    both = masks.declare(masks.relative(causal), block=16)
+    assert both.structure.relative and both.structure.block == 16
+    assert both.structure.band == masks.Band(None, 0, 2)  # kept from the function's own
+    given = masks.declare(lambda b, h, i, j: i >= j, masks.Structure(block=8), block=32)
+    assert given.structure == masks.Structure(block=32)
+    grid = masks.materialize(narrowed, (1, 1, 6, 6))  # declaring changes no value
+    i, j = torch.arange(6).view(6, 1), torch.arange(6).view(1, 6)
+    assert torch.equal(grid[0, 0], j <= i + 2)
+
+
+def test_structured_functions_print_their_name_and_structure() -> None:
+    assert str(masks.causal_fn(2)) == "causal: causal (k <= q + 2)"
+    assert masks.causal_fn(2).__name__ == "causal"
+    assert str(masks.window_fn(3, 1, -2)) == "window: band (left 3, right 1, offset -2)"
+    assert str(masks.Band(None, 2, 1)) == "band (left inf, right 2, offset 1)"
+    both = all_of(masks.causal_fn(0), masks.window_fn(3))
+    assert str(both) == "mask: all of (causal (k <= q + 0), band (left 3, right 0, offset 0))"
+    layout = block_sparse(torch.ones(3, 2, dtype=torch.bool), 4)
+    assert str(layout) == "mask: block layout 3 x 2 of 4"
+    assert str(masks.declare(lambda b, h, i, j: i == j, block=64)) == "<lambda>: tiles of 64"
+    assert str(masks.Structure()) == "no structure"
+
+
+def test_relative_declares_only_that_the_bias_depends_on_h_and_j_minus_i() -> None:
+    def slope(b, h, i, j):
+        return (h + 1.0) * (j - i)
+
+    declared = masks.relative(slope)
+    assert declared.structure == masks.Structure(relative=True)
+    assert not declared.structure.skips  # a bias declaration skips no tile
+    assert str(declared) == "slope: relative (depends on h and j - i only)"
+    grid = masks.materialize(declared, (2, 3, 5, 7))
+    assert torch.equal(grid, masks.materialize(slope, (2, 3, 5, 7)))
+    assert not structure_of(slope).relative
+
+
+def test_block_layout_structure_agrees_with_evaluation() -> None:
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    block = 4
+    layout = torch.rand(6, 7, generator=gen) > 0.55
+    fn = block_sparse(layout, block)
+    # On tiles of the layout's own block size, the states are exact: the picture is the layout.
+    picture = structure_of(fn).to_string(24, 28, block=block).splitlines()[1:]
+    assert picture == [
+        "|" + "".join("█" if c else " " for c in row) + "|" for row in layout.tolist()
+    ]
+    for _ in range(200):
+        i0, j0 = rng.randrange(0, 30), rng.randrange(0, 34)
+        i1, j1 = i0 + rng.randrange(1, 10), j0 + rng.randrange(1, 10)
+        grid = _brute(fn, i0, i1, j0, j1)
+        state = tile_state(fn, i0, i1, j0, j1)
+        inside = i1 <= 24 and j1 <= 28
+        if inside:  # within the layout the tile state is exact
+            want = True if bool(grid.all()) else False if not bool(grid.any()) else None
+            assert state is want, (i0, i1, j0, j1)
+        elif state is not None:
+            assert bool(grid.all()) if state else not bool(grid.any())
+        visible = torch.zeros(j1 - j0, dtype=torch.bool)
+        for lo, hi in key_ranges(fn, i0, i1, j0, j1):
+            visible[lo - j0 : hi - j0] = True
+        seen = grid.any(dim=0)
+        if inside:  # exactly the keys some query of the tile sees
+            assert torch.equal(visible, seen), (i0, i1, j0, j1)
+        else:
+            assert not bool((seen & ~visible).any())

@@ -1,0 +1,238 @@
+"""The tiled backend's entry points: ``tiled_attention`` and the registry entries equal the
+float64 reference math (gradients included, odd lengths, GQA, other ranks); the block steps
+(forward_blocks / merge / backward_blocks) reproduce whole attention over key shards; calls it
+cannot serve are refused in a sentence."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from attnkit import masks, scaled_dot_product_attention
+from attnkit.backends import BackendUnavailable, select_backend
+from attnkit.backends.tiled import backward_blocks, forward_blocks, merge, tiled_attention, why_not
+from attnkit.functional import make_call
+from attnkit.masks import relative
+
+F64 = torch.float64
+
+
+def _qkv(i: int, j: int, h: int = 4, h_kv: int = 2, d: int = 8, dv: int = 6, b: int = 2):
+    g = torch.Generator().manual_seed(i * 1000 + j)
+    q = torch.randn(b, h, i, d, dtype=F64, generator=g)
+    k = torch.randn(b, h_kv, j, d, dtype=F64, generator=g)
+    v = torch.randn(b, h_kv, j, dv, dtype=F64, generator=g)
+    return q, k, v
+
+
+def _alibi(b, h, i, j):  # ALiBi (Press et al. 2022): a per-head linear distance penalty
+    return -(2.0 ** (-(h + 1.0))) * (i - j).abs()
+
+
+def _relative_alibi(b, h, i, j):  # the same values, declared relative: evaluated once per call
+    return _alibi(b, h, i, j)
+
+
+_relative_alibi = relative(_relative_alibi)
+
+
+def _buckets(b, h, i, j):  # T5-style: exact distances below 4, then log-spaced, per direction
+    d = j - i
+    a = d.abs()
+    far = 4 + (torch.log(a.clamp(min=1).double() / 4) / 0.7).long().clamp(max=3)
+    return torch.sin(1.0 + h + 3.0 * torch.where(a < 4, a, far) + 0.5 * (d > 0).double())
+
+
+_relative_buckets = relative(lambda b, h, i, j: _buckets(b, h, i, j))
+
+
+def _cases(i: int, j: int) -> dict[str, dict]:
+    g = torch.Generator().manual_seed(7)
+    dense = torch.rand(2, 1, i, j, generator=g) > 0.6
+    dense[:, :, 0] = False  # a fully masked row
+    return {
+        "plain": {},
+        "causal bottom-right": {"is_causal": True},
+        "causal top-left": {"mask": masks.causal_fn(0)},
+        "window fn": {"mask": masks.window_fn(5, 2, j - i)},
+        "alibi fn": {"bias": _alibi, "is_causal": True},
+        "relative alibi fn": {"bias": _relative_alibi, "is_causal": True},
+        "relative buckets, top-left": {"bias": _relative_buckets, "mask": masks.causal_fn(0)},
+        "relative fn and dense mask": {"bias": _relative_buckets, "mask": dense},
+        "relative fn and unstructured fn": {
+            "bias": _relative_buckets,
+            "mask": lambda b, h, i, j: (i * 7 + j * 3 + b) % 5 != 0,
+        },
+        "dense mask and bias": {
+            "mask": dense,
+            "bias": torch.randn(1, 4, i, j, dtype=F64, generator=g),
+        },
+        "padding mask": {"mask": masks.padding_mask(torch.tensor([j, max(j - 3, 0)]), j)},
+        "unstructured fn": {"mask": lambda b, h, i, j: (i * 7 + j * 3 + b) % 5 != 0},
+    }
+
+
+@pytest.mark.parametrize(("i", "j"), [(1, 1), (7, 7), (97, 97), (257, 257), (7, 97), (97, 7)])
+def test_tiled_equals_reference_forward_and_backward(i: int, j: int) -> None:
+    for name, kw in _cases(i, j).items():
+        q, k, v = (t.requires_grad_() for t in _qkv(i, j))
+        results = []
+        for backend in ("math", "tiled"):
+            out = scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+            weight = torch.linspace(-1, 1, out.numel(), dtype=F64).view_as(out)
+            grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+            results.append((out, *grads))
+        for a, b_, what in zip(*results, ("out", "dq", "dk", "dv"), strict=True):
+            assert torch.isfinite(b_).all(), f"{name}: {what} not finite"
+            torch.testing.assert_close(b_, a, atol=1e-12, rtol=1e-10, msg=f"{name}: {what}")
+
+
+def test_small_tiles_and_gradcheck() -> None:
+    """Tiles much smaller than the inputs exercise the online softmax across many tiles."""
+    q, k, v = (t.requires_grad_() for t in _qkv(7, 6, h=2, h_kv=1, d=3, dv=2, b=1))
+    bias = torch.randn(1, 2, 7, 6, dtype=F64, requires_grad=True)
+    mask = torch.rand(1, 1, 7, 6, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[..., 2, :] = False
+
+    def with_bias(q, k, v, bias):
+        return tiled_attention(q, k, v, mask=mask, bias=bias, block_q=3, block_k=4)
+
+    assert torch.autograd.gradcheck(with_bias, (q, k, v, bias))
+    for kw in (
+        {"is_causal": True},
+        {"mask_fn": masks.window_fn(3, 1, 2), "bias_fn": lambda b, h, i, j: 0.3 * (j - i)},
+        {"mask_fn": masks.window_fn(3, 1, 2), "bias_fn": _relative_buckets},
+        {"bias_fn": _relative_alibi, "is_causal": True},
+    ):
+        assert torch.autograd.gradcheck(
+            lambda q, k, v, kw=kw: tiled_attention(q, k, v, block_q=3, block_k=4, **kw), (q, k, v)
+        )
+
+
+def test_low_precision_and_other_ranks() -> None:
+    q, k, v = (t.float() for t in _qkv(50, 61, h=2, h_kv=2))
+    ref = scaled_dot_product_attention(q, k, v, is_causal=True, backend="math")
+    out = scaled_dot_product_attention(q, k, v, is_causal=True, backend="tiled")
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    qh, kh, vh = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    ref = scaled_dot_product_attention(qh, kh, vh, backend="math")
+    torch.testing.assert_close(
+        scaled_dot_product_attention(qh, kh, vh, backend="tiled"), ref, atol=2e-2, rtol=2e-2
+    )
+    for shape in ((13, 8), (3, 13, 8), (2, 3, 2, 13, 8)):  # (i, d), (h, i, d), (a, b, h, i, d)
+        x = torch.randn(shape, dtype=F64)
+        m = torch.rand((*shape[:-1], 13)) > 0.2
+        ref = scaled_dot_product_attention(x, x, x, m, backend="math")
+        out = scaled_dot_product_attention(x, x, x, m, backend="tiled")
+        torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+
+
+def test_unsupported_options_name_themselves() -> None:
+    q, k, v = _qkv(4, 4)
+    with pytest.raises(BackendUnavailable, match="dropout_p"):
+        scaled_dot_product_attention(q, k, v, dropout_p=0.1, backend="tiled")
+    with pytest.raises(BackendUnavailable, match="return_weights"):
+        scaled_dot_product_attention(q, k, v, return_weights=True, backend="tiled")
+    slope = torch.tensor(0.5, requires_grad=True)
+    with pytest.raises(BackendUnavailable, match="bias function"):
+        scaled_dot_product_attention(
+            q, k, v, bias=lambda b, h, i, j: slope * (j - i), backend="tiled"
+        )
+
+
+@pytest.mark.parametrize(("n_shards", "bias_fn"), [(2, _alibi), (3, _alibi), (3, _relative_alibi)])
+def test_block_step_over_key_shards_equals_whole_attention(n_shards: int, bias_fn) -> None:
+    """What ring attention does: forward_blocks per K/V shard with global offsets, merge,
+    then backward_blocks per shard with the global out and lse."""
+    q, k, v = _qkv(37, 37)
+    q_off = 0
+    causal = masks.causal_fn(0)
+    bounds = torch.linspace(0, 37, n_shards + 1).long().tolist()
+    out = lse = None
+    for a, b in itertools.pairwise(bounds):
+        o, l = forward_blocks(
+            q, k[:, :, a:b], v[:, :, a:b], scale=0.3, mask_fn=causal, bias_fn=bias_fn,
+            q_offset=q_off, k_offset=a, block_q=8, block_k=8,
+        )  # fmt: skip
+        out, lse = (o, l) if out is None else merge(out, lse, o, l)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = scaled_dot_product_attention(
+        qr, kr, vr, bias=bias_fn, mask=causal, scale=0.3, backend="math"
+    )
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), grad)
+    dq = torch.zeros_like(q)
+    dks, dvs = [], []
+    for a, b in itertools.pairwise(bounds):
+        gq, gk, gv = backward_blocks(
+            q, k[:, :, a:b], v[:, :, a:b], out, lse, grad, scale=0.3, mask_fn=causal,
+            bias_fn=bias_fn, k_offset=a, block_q=8, block_k=8,
+        )  # fmt: skip
+        dq += gq
+        dks.append(gk)
+        dvs.append(gv)
+    for mine, theirs in zip((dq, torch.cat(dks, 2), torch.cat(dvs, 2)), ref_grads, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-12, rtol=1e-10)
+
+
+def test_auto_routes_functions_to_tiled_and_plain_calls_to_torch() -> None:
+    q, k, v = (t.float() for t in _qkv(600, 600, b=1))
+    assert select_backend("auto", make_call(q, k, v)).name == "torch"
+    assert select_backend("auto", make_call(q, k, v, is_causal=True)).name == "torch"
+    seen = []
+
+    def recording(b, h, i, j):
+        seen.append(i.shape[-2] * j.shape[-1])
+        return (i - j).abs() < 300
+
+    call = make_call(q, k, v, recording)
+    assert select_backend("auto", call).name == "tiled-functions"
+    out = scaled_dot_product_attention(q, k, v, recording)
+    assert max(seen) < 600 * 600  # evaluated per tile: no n x n tensor was built
+    ref = scaled_dot_product_attention(q, k, v, masks.materialize(recording, (1, 1, 600, 600)))
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    # A bias function with learnable parameters cannot be differentiated by tiled: auto falls
+    # back to torch, which materialises it, and the gradient reaches the parameter.
+    slope = torch.tensor(0.1, requires_grad=True)
+    call = make_call(q, k, v, bias=lambda b, h, i, j: -slope * (i - j).abs())
+    assert select_backend("auto", call).name == "torch"
+
+
+def test_why_not_says_why_in_a_sentence() -> None:
+    q, k, v = _qkv(4, 4)
+    assert why_not(make_call(q, k, v)) is None
+    assert why_not(make_call(q, k, v, masks.causal_fn(0), bias=_alibi)) is None
+    gen = torch.Generator().manual_seed(0)
+    assert why_not(make_call(q, k, v, dropout_p=0.1, generator=gen)) == (
+        "dropout_p=0.1: the tiled backend cannot replay a dropout mask tile by tile in its "
+        "backward; use backend='math' or 'torch' for dropout"
+    )
+    assert why_not(make_call(q, k, v, return_weights=True)) == (
+        "return_weights=True: the tiled backend never builds the attention weights"
+    )
+    with torch.no_grad():  # without autograd a learnable bias function is only a function
+        slope = torch.tensor(0.5, requires_grad=True)
+        assert why_not(make_call(q, k, v, bias=lambda b, h, i, j: slope * (j - i))) is None
+    # "tiled-functions" is auto's route for calls with a function; others are told so.
+    with pytest.raises(BackendUnavailable, match="auto's route for calls with a mask or bias"):
+        scaled_dot_product_attention(q, k, v, backend="tiled-functions")
+    ref = scaled_dot_product_attention(q, k, v, masks.causal_fn(0), backend="math")
+    out = scaled_dot_product_attention(q, k, v, masks.causal_fn(0), backend="tiled-functions")
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+
+
+def test_leading_dims_with_a_broadcast_mask_and_bias() -> None:
+    """Inputs with two leading dims (a, b, h, i, d) and a mask/bias broadcast over them."""
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(3, 2, 4, 37, 8, dtype=F64, generator=g)
+    k = torch.randn(3, 2, 2, 45, 8, dtype=F64, generator=g)
+    v = torch.randn(3, 2, 2, 45, 6, dtype=F64, generator=g)
+    mask = torch.rand(1, 2, 1, 37, 45, generator=g) > 0.3
+    bias = torch.randn(3, 1, 4, 1, 45, dtype=F64, generator=g)
+    for kw in ({"mask": mask}, {"mask": mask, "bias": bias, "is_causal": True}):
+        ref = scaled_dot_product_attention(q, k, v, backend="math", **kw)
+        out = scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+        torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
