@@ -12,16 +12,9 @@ from attnkit.backends.sparse import block_sparse, strided_layout
 from attnkit.backends.tiled.backward import backward
 from attnkit.backends.tiled.forward import forward
 from attnkit.backends.tiled.tiles import Spec
+from oracles import qkv as _qkv
 
 F64 = torch.float64
-
-
-def _qkv(i: int, j: int, h: int = 4, h_kv: int = 2, d: int = 8, dv: int = 6, b: int = 2):
-    g = torch.Generator().manual_seed(i * 1000 + j)
-    q = torch.randn(b, h, i, d, dtype=F64, generator=g)
-    k = torch.randn(b, h_kv, j, d, dtype=F64, generator=g)
-    v = torch.randn(b, h_kv, j, dv, dtype=F64, generator=g)
-    return q, k, v
 
 
 def _reference_grads(q, k, v, grad_out, scale, mask=None, bias=None):

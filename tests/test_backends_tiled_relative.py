@@ -13,16 +13,9 @@ from attnkit import masks
 from attnkit.backends.tiled import tiled_attention
 from attnkit.backends.tiled.relative import Relative, sliding_max
 from attnkit.masks import relative, structure_of
+from oracles import qkv as _qkv
 
 F64 = torch.float64
-
-
-def _qkv(i: int, j: int, h: int = 4, h_kv: int = 2, d: int = 8, dv: int = 6, b: int = 2):
-    g = torch.Generator().manual_seed(i * 1000 + j)
-    q = torch.randn(b, h, i, d, dtype=F64, generator=g)
-    k = torch.randn(b, h_kv, j, d, dtype=F64, generator=g)
-    v = torch.randn(b, h_kv, j, dv, dtype=F64, generator=g)
-    return q, k, v
 
 
 def _alibi(b, h, i, j):  # ALiBi (Press et al. 2022): a per-head linear distance penalty

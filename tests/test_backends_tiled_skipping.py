@@ -14,16 +14,9 @@ from attnkit.backends.tiled.skipping import can_skip, needed, negligible_bits, r
 from attnkit.backends.tiled.softmax import LOG2E
 from attnkit.backends.tiled.tiles import Spec, Tiles
 from attnkit.masks import relative
+from oracles import qkv as _qkv
 
 F64 = torch.float64
-
-
-def _qkv(i: int, j: int, h: int = 4, h_kv: int = 2, d: int = 8, dv: int = 6, b: int = 2):
-    g = torch.Generator().manual_seed(i * 1000 + j)
-    q = torch.randn(b, h, i, d, dtype=F64, generator=g)
-    k = torch.randn(b, h_kv, j, d, dtype=F64, generator=g)
-    v = torch.randn(b, h_kv, j, dv, dtype=F64, generator=g)
-    return q, k, v
 
 
 def _steep_pair(b, h, i, j):  # heads 0-1 (key head 0) steep enough to underflow, 2-3 not

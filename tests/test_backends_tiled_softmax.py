@@ -20,18 +20,11 @@ from attnkit.backends.tiled.softmax import (
     lazy_shift,
     update,
 )
+from oracles import qkv as _qkv
 
 F64 = torch.float64
 BLOCKED = blocked(F64)
 TILES = [slice(0, 10), slice(10, 25), slice(25, 37)]  # 37 keys in uneven tiles
-
-
-def _qkv(i: int, j: int, h: int = 4, h_kv: int = 2, d: int = 8, dv: int = 6, b: int = 2):
-    g = torch.Generator().manual_seed(i * 1000 + j)
-    q = torch.randn(b, h, i, d, dtype=F64, generator=g)
-    k = torch.randn(b, h_kv, j, d, dtype=F64, generator=g)
-    v = torch.randn(b, h_kv, j, dv, dtype=F64, generator=g)
-    return q, k, v
 
 
 def _scores(n: int = 3, rows: int = 5, j: int = 37, dv: int = 4, spread: float = 3.0, seed=0):

@@ -25,17 +25,10 @@ from attnkit.backends.tiled.tiles import (
     tile_sizes,
 )
 from attnkit.masks import all_of, declare, structure_of
+from oracles import qkv as _qkv
 
 F64 = torch.float64
 NI, NJ = 37, 45  # odd lengths, i != j
-
-
-def _qkv(i: int, j: int, h: int = 4, h_kv: int = 2, d: int = 8, dv: int = 6, b: int = 2):
-    g = torch.Generator().manual_seed(i * 1000 + j)
-    q = torch.randn(b, h, i, d, dtype=F64, generator=g)
-    k = torch.randn(b, h_kv, j, d, dtype=F64, generator=g)
-    v = torch.randn(b, h_kv, j, dv, dtype=F64, generator=g)
-    return q, k, v
 
 
 def _dense(fn, qo: int, ko: int, shape=(2, 4, NI, NJ)) -> torch.Tensor:

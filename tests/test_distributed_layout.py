@@ -107,6 +107,9 @@ def test_bad_arguments_are_named() -> None:
         shard_segments(8, 2, 0, "ring")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
         shard_segments(8, 0, 0)
+    for world in (0, -3):  # also where no shard is computed
+        with pytest.raises(ValueError, match=f"world_size must be a positive int, got {world}"):
+            shard_lengths(8, world)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
         shard_sequence(x, 2, 2)
     with pytest.raises(ValueError, match="non-negative int, got -1"):

@@ -77,6 +77,7 @@ def shard_segments(n: int, world_size: int, rank: int, layout: Layout = "contigu
 
 def shard_lengths(n: int, world_size: int, layout: Layout = "contiguous") -> list[int]:
     """How many positions each rank holds for a sequence of ``n``."""
+    shard_segments(n, world_size, 0, layout)  # checks the arguments, even for world_size < 1
     return [
         sum(length for _, length in shard_segments(n, world_size, r, layout))
         for r in range(world_size)
