@@ -1,4 +1,5 @@
-"""The CLI: the demo prints the worked example; user errors are one line and exit 2."""
+"""The CLI itself (cli.py): no command is a usage error, user errors are one line and exit 2, the
+entry point runs in a fresh process. Each subcommand is tested in tests/test_commands_<name>.py."""
 
 from __future__ import annotations
 
@@ -8,14 +9,6 @@ import sys
 import pytest
 
 from attnkit import cli
-
-
-def test_demo_prints_the_worked_example(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo"]) == 0
-    out = capsys.readouterr().out
-    assert "by hand [0.140, 0.284, 0.576]   attnkit [0.140, 0.284, 0.576]" in out
-    assert "by hand [0.355, 0.617]   attnkit [0.355, 0.617]" in out
-    assert "NO" not in out.split("agree to 3 decimals:")[1]
 
 
 def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,5 +1,5 @@
-"""`attnkit show` and the demo's explorer step, with a fake BERT injected through the
-`attnkit.commands.show.load_model` seam (the real model is exercised in the end-to-end test)."""
+"""`attnkit show`, with a fake BERT injected through the `attnkit.commands.show.load_model` seam
+(tests/fake_bert.py; the real model is exercised in the end-to-end test)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import base64
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import matplotlib.image as mpimg
 import numpy as np
@@ -15,34 +14,9 @@ import pytest
 import torch
 
 from attnkit.cli import main
-from attnkit.commands import demo, show
-
-N_LAYERS, N_HEADS = 3, 4
-
-
-class FakeBert:
-    """The BERT API `show` relies on: encode(texts, need_weights=True) -> tokens, attentions."""
-
-    def __init__(self) -> None:
-        self.texts: list[str] = []
-        self.attentions: torch.Tensor | None = None
-
-    def encode(self, texts: list[str], need_weights: bool = False) -> SimpleNamespace:
-        assert need_weights
-        self.texts.extend(texts)
-        tokens = [["[CLS]", *t.lower().split(), "[SEP]"] for t in texts]
-        n = len(tokens[0])
-        gen = torch.Generator().manual_seed(0)
-        scores = 3.0 * torch.randn(N_LAYERS, len(texts), N_HEADS, n, n, generator=gen)
-        self.attentions = torch.softmax(scores, dim=-1)  # (l, b, h, i, j)
-        return SimpleNamespace(tokens=tokens, attentions=self.attentions)
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> FakeBert:
-    model = FakeBert()
-    monkeypatch.setattr(show, "load_model", lambda: model)
-    return model
+from attnkit.commands import show
+from fake_bert import N_HEADS, N_LAYERS, FakeBert
+from fake_bert import fake as fake
 
 
 @pytest.fixture
@@ -177,18 +151,6 @@ def test_a_failed_write_leaves_the_old_file_whole(
     assert [p.name for p in tmp_path.iterdir()] == ["a.html"]  # no temporary left behind
 
 
-def test_demo_step_writes_the_explorer(
-    fake: FakeBert, tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    path = demo.step_explorer(tmp_path / "demo")
-    assert path == tmp_path / "demo" / "attention.html"
-    page = path.read_text(encoding="utf-8")
-    assert demo.EXPLORER_SENTENCE in page and "Attention is not explanation" in page
-    assert fake.texts == [demo.EXPLORER_SENTENCE]
-    out = capsys.readouterr().out
-    assert str(path) in out and "Strongest links" in out
-
-
 def test_html_starts_at_the_requested_layer_and_head(fake: FakeBert, tmp_path: Path) -> None:
     out = tmp_path / "a.html"
     assert main(["show", "a b c", "--layer", "2", "--head", "3", "--out", str(out)]) == 0
@@ -229,13 +191,3 @@ def test_end_to_end_with_the_bundled_minilm(tmp_path: Path, capsys: pytest.Captu
     assert main(["show", text, "--out", str(png), "--layer", "5", "--top", "0"]) == 0
     assert mpimg.imread(png).ndim == 3
     assert capsys.readouterr().out == f"wrote {png}\n"
-
-
-@pytest.mark.slow
-def test_demo_runs_the_explorer_step_for_real(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    assert main(["demo", "--out-dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert str(tmp_path / "attention.html") in out
-    assert "cat" in (tmp_path / "attention.html").read_text(encoding="utf-8")

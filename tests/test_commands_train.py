@@ -1,4 +1,5 @@
-"""`attnkit train` and `attnkit evaluate` end to end on a tiny Iris run; checkpoint errors."""
+"""`attnkit train` end to end on a tiny Iris run (tests/train_runs.py): the files it writes, and
+a resume of a finished run."""
 
 from __future__ import annotations
 
@@ -7,17 +8,10 @@ import json
 import pytest
 
 from attnkit.cli import main
+from train_runs import TINY, copy_run
+from train_runs import run_dir as run_dir
 
 pytestmark = pytest.mark.slow  # trains a (tiny) model and draws its attention PNG
-
-TINY = ["--epochs", "3", "--d-model", "16", "--heads", "2", "--layers", "1", "--quiet"]
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("iris")
-    assert main(["train", "iris", "--seed", "1", "--out", str(out), *TINY]) == 0
-    return out
 
 
 def test_train_writes_checkpoint_metrics_and_attention(run_dir, capsys):
@@ -39,47 +33,8 @@ def test_train_writes_checkpoint_metrics_and_attention(run_dir, capsys):
     assert all(abs(sum(row) - 1) < 1e-5 for row in maps[0][0])
 
 
-def test_evaluate_reproduces_the_training_metrics(run_dir, capsys):
-    assert main(["evaluate", str(run_dir)]) == 0
-    printed = capsys.readouterr().out
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    again = json.loads((run_dir / "evaluation.json").read_text())
-    for key in ("train_accuracy", "val_accuracy", "test_accuracy", "params"):
-        assert again[key] == metrics[key]
-    assert f"{metrics['test_accuracy']:.4f}" in printed
-
-
-def _copy(run_dir, tmp_path):
-    import shutil
-
-    target = tmp_path / "copy"
-    shutil.copytree(run_dir, target)
-    return target
-
-
-def test_corrupt_checkpoint_is_one_line_exit_2(run_dir, tmp_path, capsys):
-    bad = _copy(run_dir, tmp_path)
-    data = (bad / "model.safetensors").read_bytes()
-    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
-    assert main(["evaluate", str(bad)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "corrupt" in err and "model.safetensors" in err and len(err.splitlines()) == 1
-
-
-def test_mismatched_checkpoint_is_one_line_exit_2(run_dir, tmp_path, capsys):
-    bad = _copy(run_dir, tmp_path)
-    config = json.loads((bad / "config.json").read_text())
-    config["model"]["d_model"] = 32  # the weights were trained with 16
-    (bad / "config.json").write_text(json.dumps(config))
-    assert main(["evaluate", str(bad)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "do not match the model" in err and len(err.splitlines()) == 1
-    assert main(["evaluate", str(tmp_path / "missing")]) == 2
-    assert "does not exist" in capsys.readouterr().err
-
-
 def test_resume_of_a_finished_run_changes_nothing(run_dir, tmp_path):
-    again = _copy(run_dir, tmp_path)
+    again = copy_run(run_dir, tmp_path)
     before = (again / "model.safetensors").read_bytes()
     assert main(["train", "iris", "--seed", "1", "--out", str(again), "--resume", *TINY]) == 0
     assert (again / "model.safetensors").read_bytes() == before
