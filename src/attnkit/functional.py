@@ -9,7 +9,7 @@ The reference (``attention_math``) is the specification every fast backend is te
 (Vaswani et al. 2017, "Attention Is All You Need", section 3.2.1)::
 
     scores  = (Q @ K^T) * scale + bias        # (..., h, i, j), scale defaults to 1/sqrt(d)
-    scores  = scores where mask else -big     # mask: True = may attend
+    scores  = scores where mask else -big     # mask: True = may attend; so is a -inf score
     weights = softmax(scores) * mask          # a fully masked row becomes all zeros
     weights = dropout(weights)                # training only; the caller passes dropout_p=0 at eval
     output  = weights @ V                     # (..., h, i, dv)
@@ -22,7 +22,9 @@ Numerics: scores and softmax are computed in float32 (float64 stays float64), so
 bfloat16 inputs with large logits do not overflow. Blocked positions get the dtype's finite
 minimum, not ``-inf`` (which would turn a fully masked row into NaN), and the weights are then
 multiplied by the mask, so a fully masked row yields zero weights, zero output and finite gradients
-instead of the uniform attention a ``-1e9`` fill gives.
+instead of the uniform attention a ``-1e9`` fill gives. NaN and infinities follow the rules in
+``attnkit._numerics``: a NaN reaches exactly the rows that can see it, never through a blocked
+position.
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ from numbers import Real
 import torch
 from torch import Tensor
 
-from attnkit._numerics import blocked, compute_dtype
+from attnkit._numerics import attention_op, blocked, compute_dtype, poison
 from attnkit.masks import BiasFn, MaskFn, pad_to_rank
 from attnkit.registry import AttentionCall, get_backend, register_backend, select_backend
 
 __all__ = ["attention_math", "make_call", "scaled_dot_product_attention"]
 
 
+@attention_op  # under autocast: inputs in the autocast dtype, float32 statistics inside
 def scaled_dot_product_attention(
     query: Tensor,
     key: Tensor,
@@ -81,7 +84,9 @@ def scaled_dot_product_attention(
         generator: random generator for dropout, for reproducible masks.
 
     Returns:
-        The output ``(..., h, i, dv)`` in the query's dtype, or ``(output, weights)``.
+        The output ``(..., h, i, dv)`` in the query's dtype, or ``(output, weights)``. Under
+        ``torch.autocast`` inputs are first cast to the autocast dtype (float64 stays), so the
+        output has that dtype on every backend; softmax statistics stay in float32.
     """
     call = make_call(
         query,
@@ -137,6 +142,11 @@ def make_call(
         raise ValueError(f"query, key and value must be on one device ({shapes})")
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(f"query and key must have the same last dim d; got {shapes}")
+    if query.shape[-1] == 0 and scale is None:
+        raise ValueError(
+            f"query and key have width d = 0, so the default scale 1/sqrt(d) is undefined; "
+            f"pass scale= ({shapes})"
+        )
     if key.shape[-2] != value.shape[-2]:
         raise ValueError(f"key and value must have the same length j (dim -2); got {shapes}")
     if key.shape[:-2] != value.shape[:-2]:
@@ -169,6 +179,7 @@ def make_call(
                 "convention use attnkit.masks.from_torch"
             )
         _check_broadcast("mask", mask, score_shape)
+        _check_device("mask", mask, query)
     if bias is not None and not callable(bias):
         if not isinstance(bias, Tensor):
             raise TypeError(
@@ -177,6 +188,7 @@ def make_call(
         if not bias.is_floating_point():
             raise TypeError(f"bias must be a floating-point tensor, got dtype {bias.dtype}")
         _check_broadcast("bias", bias, score_shape)
+        _check_device("bias", bias, query)
     if (callable(mask) or callable(bias)) and query.ndim != 4:
         raise ValueError(
             f"mask and bias functions take (b, h, i, j) indices, so query must be 4-D; got {shapes}"
@@ -219,6 +231,14 @@ def _check_broadcast(name: str, t: Tensor, score_shape: tuple[int, ...]) -> None
         )
 
 
+def _check_device(name: str, t: Tensor, query: Tensor) -> None:
+    if t.device != query.device:
+        raise ValueError(
+            f"{name} is on device {t.device} but query, key and value are on {query.device}; "
+            f"move it with .to({str(query.device)!r})"
+        )
+
+
 def _grouped(t: Tensor, ndim: int, h_kv: int, g: int) -> Tensor:
     """View a tensor broadcastable to ``(..., h, i, j)`` as ``(..., h_kv, g, i, j)``, no copy."""
     t = pad_to_rank(t, ndim)
@@ -248,12 +268,16 @@ def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     scores = (q.to(compute) @ k.to(compute).transpose(-2, -1)) * call.scale  # (..., i, j)
     if bias is not None:
         scores = scores + bias
-    if mask is not None:
-        scores = scores.masked_fill(~mask, blocked(compute))
+    visible = mask
+    minus_inf = torch.isneginf(scores)  # an additive -inf blocks its key, as a mask does
+    if bool(minus_inf.any()):
+        visible = ~minus_inf if visible is None else visible & ~minus_inf
+    if visible is not None:
+        scores = scores.masked_fill(~visible, blocked(compute))
     weights = torch.softmax(scores, dim=-1)
-    if mask is not None:
+    if visible is not None:
         # A fully masked row softmaxes to uniform; multiplying by the mask makes it zero.
-        weights = weights * mask
+        weights = weights * visible
     attended = weights
     if call.dropout_p > 0.0:
         keep = (
@@ -263,7 +287,12 @@ def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
             >= call.dropout_p
         )
         attended = weights * keep / (1.0 - call.dropout_p)
-    output = attended @ v.to(compute)  # (..., i, dv)
+    v = v.to(compute)
+    bad = ~torch.isfinite(v)  # read as 0, and NaN for the rows that see them (_numerics)
+    if bool(bad.any()):
+        output = poison(attended @ v.masked_fill(bad, 0.0), visible, bad)
+    else:
+        output = attended @ v  # (..., i, dv)
 
     if g > 1:
         output = output.flatten(-4, -3)  # (..., h, i, dv)

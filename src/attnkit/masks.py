@@ -69,6 +69,8 @@ __all__ = [
     "causal_fn",
     "causal_mask",
     "causal_offset",
+    "checked_bias",
+    "checked_mask",
     "combine_masks",
     "declare",
     "from_torch",
@@ -239,7 +241,20 @@ def from_torch(
                 f"key_padding_mask must have shape (b, j), got {tuple(key_padding_mask.shape)}"
             )
         kpm = key_padding_mask
-        keep = ~kpm if kpm.dtype == torch.bool else ~torch.isneginf(kpm)
+        if kpm.dtype == torch.bool:
+            keep = ~kpm
+        elif kpm.is_floating_point():
+            if not bool(((kpm == 0) | torch.isneginf(kpm)).all()):
+                raise ValueError(
+                    "key_padding_mask is a float tensor with values other than 0 and -inf; "
+                    "torch reads a float mask as added to the scores: pass it as `bias=`"
+                )
+            keep = ~torch.isneginf(kpm)
+        else:
+            raise TypeError(
+                f"key_padding_mask must be bool (True = padding, torch's convention) or float "
+                f"(0 / -inf), got dtype {kpm.dtype}; convert it with `.bool()` first"
+            )
         parts.append(keep[:, None, None, :])  # (b, 1, 1, j)
     return combine_masks(*parts)
 
@@ -287,6 +302,28 @@ def window_fn(left: int, right: int = 0, offset: int = 0) -> StructuredFn:
         return (distance <= left) & (distance >= -right)
 
     return declare(window, band=Band(left, right, offset))
+
+
+def checked_mask(values: object) -> Tensor:
+    """A mask function's output, checked: a bool tensor (``True`` = may attend)."""
+    if not isinstance(values, Tensor) or values.dtype != torch.bool:
+        got = values.dtype if isinstance(values, Tensor) else type(values).__name__
+        raise TypeError(
+            f"a mask function must return a bool tensor (True = may attend), got {got}; "
+            "pass additive scores as a bias function (bias=) instead"
+        )
+    return values
+
+
+def checked_bias(values: object) -> Tensor:
+    """A bias function's output, checked: a floating-point tensor added to the scores."""
+    if not isinstance(values, Tensor) or not values.is_floating_point():
+        got = values.dtype if isinstance(values, Tensor) else type(values).__name__
+        raise TypeError(
+            f"a bias function must return a floating-point tensor, got {got}; "
+            "pass a bool mask as a mask function (mask=) instead"
+        )
+    return values
 
 
 def materialize(

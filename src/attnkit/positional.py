@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit._numerics import compute_dtype
+from attnkit._numerics import compute_dtype, no_autocast, to_autocast
 from attnkit.attention import MultiHeadAttention
 from attnkit.functional import scaled_dot_product_attention
 from attnkit.masks import BiasFn, MaskFn, causal_offset, declare, materialize
@@ -303,6 +303,20 @@ class RelativePositionAttention(MultiHeadAttention):
         k: Tensor,
         v: Tensor,
         *,
+        mask: Tensor | MaskFn | None,
+        is_causal: bool,
+        need_weights: bool,
+        bias: Tensor | BiasFn | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        q, k, v = to_autocast(q, k, v)  # attention's autocast policy (attnkit._numerics)
+        with no_autocast(q.device):
+            return self._relative(q, k, v, mask, is_causal, need_weights, bias)
+
+    def _relative(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         mask: Tensor | MaskFn | None,
         is_causal: bool,
         need_weights: bool,

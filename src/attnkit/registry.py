@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnkit.masks import BiasFn, MaskFn, causal_mask, materialize
+from attnkit.masks import BiasFn, MaskFn, causal_mask, checked_bias, checked_mask, materialize
 
 __all__ = [
     "AUTO_ORDER",
@@ -92,7 +92,7 @@ class AttentionCall:
         """The mask as one bool tensor: the given mask (evaluated if a function) and causality."""
         mask = self.mask
         if callable(mask):
-            mask = materialize(mask, self.score_shape, device=self.query.device)
+            mask = checked_mask(materialize(mask, self.score_shape, device=self.query.device))
         if self.is_causal:
             causal = causal_mask(self.n_queries, self.n_keys, device=self.query.device)
             mask = causal if mask is None else mask & causal
@@ -104,7 +104,7 @@ class AttentionCall:
         if bias is None:
             return None
         if callable(bias):
-            bias = materialize(bias, self.score_shape, device=self.query.device)
+            bias = checked_bias(materialize(bias, self.score_shape, device=self.query.device))
         return bias.to(dtype)
 
 

@@ -63,6 +63,8 @@ def chunked_attention(call: AttentionCall, chunk_size: int | None = None) -> Ten
         if isinstance(t, Tensor)
     )
     device = call.query.device
+    if ni == 0:  # no query rows: the reference's empty result
+        return attention_math(call)[0]
     outs = []
     for i0 in range(0, ni, chunk_size):
         i1 = min(ni, i0 + chunk_size)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit._numerics import compute_dtype
+from attnkit._numerics import attention_op, compute_dtype
 from attnkit.masks import causal_offset
 
 __all__ = ["feature_map", "linear_attention", "linear_attention_quadratic"]
@@ -40,7 +40,18 @@ def feature_map(x: Tensor) -> Tensor:
     return F.elu(x) + 1.0
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> int:
+def _check(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, eps: float) -> int:
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"linear_attention needs 4-D (b, h, n, d) inputs, got query {tuple(q.shape)}, "
@@ -61,6 +72,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> int:
     return q.shape[1] // k.shape[1]
 
 
+@attention_op
 def linear_attention(
     query: Tensor,
     key: Tensor,
@@ -75,7 +87,7 @@ def linear_attention(
     ``h_kv`` may divide ``h`` (grouped queries share a key/value head, no copy). ``eps`` guards
     the denominator. Differentiable; computed in float32 (float64 stays float64).
     """
-    g = _check(query, key, value, is_causal)
+    g = _check(query, key, value, is_causal, eps)
     compute = compute_dtype(query.dtype)
     b, h, ni, d = query.shape
     hk, nj, dv = key.shape[1], key.shape[2], value.shape[-1]
@@ -118,11 +130,12 @@ def linear_attention(
     return out.reshape(b, h, ni, dv).to(query.dtype)
 
 
+@attention_op
 def linear_attention_quadratic(
     query: Tensor, key: Tensor, value: Tensor, *, is_causal: bool = False, eps: float = 1e-6
 ) -> Tensor:
     """The explicit O(n^2) form: weights ``phi(q_i) . phi(k_j)`` normalised per row (the oracle)."""
-    g = _check(query, key, value, is_causal)
+    g = _check(query, key, value, is_causal, eps)
     pq = feature_map(query)
     pk = feature_map(key).repeat_interleave(g, dim=1)  # (b, h, j, d)
     v = value.repeat_interleave(g, dim=1)  # (b, h, j, dv)

@@ -32,7 +32,7 @@ import math
 import torch
 from torch import Tensor
 
-from attnkit._numerics import blocked, compute_dtype
+from attnkit._numerics import attention_op, blocked, compute_dtype
 from attnkit.backends.tiled import run_call
 from attnkit.backends.tiled import why_not as tiled_why_not
 from attnkit.masks import MaskFn, causal_offset, declare, pad_to_rank, structure_of
@@ -118,6 +118,7 @@ register_backend(
 )
 
 
+@attention_op
 def topk_attention(
     query: Tensor,
     key: Tensor,

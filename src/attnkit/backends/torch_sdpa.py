@@ -8,7 +8,9 @@ What it adds around torch's kernel, so it agrees with the reference math:
   with the dtype's finite minimum for blocked positions;
 * fully masked rows return zeros: such a row is unblocked before the call (so the kernel never
   sees a row without a key, which would give NaN in some kernels and their gradients) and its
-  output is zeroed after it.
+  output is zeroed after it;
+* a call whose inputs or bias hold NaN or infinities is served by the reference math instead:
+  torch's CPU kernel returns zeros for a NaN query row, which would hide it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit._numerics import blocked
+from attnkit.functional import attention_math
 from attnkit.masks import pad_to_rank
 from attnkit.registry import AttentionCall, register_backend
 
@@ -46,6 +49,8 @@ def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     causal_flag = causal_flag and call.mask is None and call.bias is None
     mask = None if causal_flag else call.dense_mask()
     bias = call.dense_bias(q.dtype)
+    if not all(bool(torch.isfinite(t).all()) for t in (q, k, v, bias) if t is not None):
+        return attention_math(call)  # NaN and infinities as the reference has them
 
     # torch's kernel wants masks with the query's rank; pad broadcastable ones like (j,).
     if mask is not None:

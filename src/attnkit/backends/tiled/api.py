@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from attnkit._numerics import no_autocast
 from attnkit.backends.tiled.backward import backward
 from attnkit.backends.tiled.forward import forward
 from attnkit.backends.tiled.tiles import Spec, tile_sizes
@@ -24,18 +25,22 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, spec: Spec):  # type: ignore[override]
         spec = replace(spec, bias=bias)
-        out, lse = forward(q, k, v, spec)
+        with no_autocast(q.device):
+            out, lse, poisoned = forward(q, k, v, spec)
         out = out.to(q.dtype)
         ctx.spec = spec
-        ctx.save_for_backward(q, k, v, bias, out, lse)
-        return out
+        ctx.save_for_backward(q, k, v, bias, out, lse, poisoned)
+        return out if poisoned is None else out.masked_fill(poisoned, float("nan"))
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        q, k, v, bias, out, lse, poisoned = ctx.saved_tensors
         spec = replace(ctx.spec, bias=bias)
         want_dbias = bias is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dbias = backward(q, k, v, out, lse, grad_out, spec, want_dbias)
+        if poisoned is not None:  # NaN entries from non-finite values carry no gradient
+            grad_out = grad_out.masked_fill(poisoned, 0.0)
+        with no_autocast(q.device):
+            dq, dk, dv, dbias = backward(q, k, v, out, lse, grad_out, spec, want_dbias)
         if dbias is not None:
             dbias = dbias.to(bias.dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, None
@@ -115,8 +120,9 @@ def forward_blocks(
         ``lse = finfo(dtype).min`` (finite), which ``merge`` treats as "no contribution".
     """
     spec = _block_spec(scale, mask, mask_fn, bias, bias_fn, q_offset, k_offset, block_q, block_k)
-    with torch.no_grad():  # the block step is the math of a backward, never differentiated
-        return forward(q, k, v, spec)
+    with torch.no_grad(), no_autocast(q.device):  # never differentiated
+        out, lse, poisoned = forward(q, k, v, spec)
+    return out if poisoned is None else out.masked_fill(poisoned, float("nan")), lse
 
 
 def backward_blocks(
@@ -145,7 +151,7 @@ def backward_blocks(
     Other arguments as in ``forward_blocks``.
     """
     spec = _block_spec(scale, mask, mask_fn, bias, bias_fn, q_offset, k_offset, block_q, block_k)
-    with torch.no_grad():
+    with torch.no_grad(), no_autocast(q.device):
         dq, dk, dv, _ = backward(q, k, v, out, lse, grad_out, spec, want_dbias=False)
     return dq, dk, dv
 

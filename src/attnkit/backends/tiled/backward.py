@@ -61,16 +61,26 @@ def backward(
     want_dbias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """``(dq, dk, dv, dbias)`` in the compute dtype; ``dbias`` only for a bias tensor when
-    ``want_dbias`` (its gradient disables head skipping, which would drop its small parts)."""
+    ``want_dbias`` (its gradient disables head skipping, which would drop its small parts).
+
+    ``out`` is the output before non-finite values of ``v`` were turned into NaN, and
+    ``grad_out`` is zero where they were: those entries carry no gradient, as in the
+    reference, and neither do the non-finite entries of ``v`` themselves."""
     tiles = Tiles(spec, q, k)
     g, dtype, nb = tiles.g, tiles.dtype, tiles.nb
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:  # nothing was attended
+        dbias = None
+        if want_dbias and spec.bias is not None:
+            dbias = torch.zeros(spec.bias.shape, dtype=dtype, device=q.device)
+        zeros = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
+        return (*zeros, dbias)  # type: ignore[return-value]
     q_c = flat(rows(q.to(dtype), g))  # (b * h_kv, i * g, d)
     k, v = flat(k.to(dtype)), flat(v.to(dtype))  # (b * h_kv, j, d)
     do = flat(rows(grad_out.to(dtype), g))  # (b * h_kv, i * g, dv)
     out_r = flat(rows(out.to(dtype), g))  # (b * h_kv, i * g, dv)
     lse_r = flat(rows(lse.to(dtype).unsqueeze(-1), g)).squeeze(-1)  # (b * h_kv, i * g)
     # A row that saw no key: every score is the blocked minimum; with lse2 = 0, p = exp2(min) = 0.
-    lse2 = torch.where(lse_r > tiles.blocked * 0.5, lse_r * LOG2E, 0.0)
+    lse2 = torch.where(lse_r <= tiles.blocked * 0.5, 0.0, lse_r * LOG2E)  # NaN stays NaN
     keys = KeyTiles(k, v, bounds=spec.has_bias)
     dq, dk, dv = torch.zeros_like(q_c), torch.zeros_like(k), torch.zeros_like(v)
     dbias = None
@@ -83,6 +93,8 @@ def backward(
         q2_blk = q_blk * (spec.scale * LOG2E)
         out_blk, lse_blk = tiles.queries(out_r[:, r0:r1]), tiles.queries(lse2[:, r0:r1])
         delta = (do_blk * out_blk).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O)
+        # A NaN row (NaN lse) would spread NaN through blocked positions too: zero them there.
+        nan_rows = bool(torch.isnan(lse_blk).any())
         dq_blk = torch.zeros_like(q_blk) if tiles.reverse else dq[:, r0:r1]
         q_norm = q2_blk.norm(dim=-1) if spec.has_bias else None  # (b * h_kv, rows)
         for sel, declared in tiles.groups(i0, i1):
@@ -105,6 +117,10 @@ def backward(
             p = exp2_shifted(s, heads(lse_blk, nb, lo, hi), tiles.flush_below, tiles.blocked)
             dp = bmm(do_h, v_th)  # (b * heads, rows, bj)
             ds = dp.sub_(heads(delta, nb, lo, hi)).mul_(p)  # d loss / d scores
+            if nan_rows and allowed is not None:
+                hidden = ~head_tile(allowed, lo, hi).expand_as(unflat(s, nb))
+                unflat(p, nb).masked_fill_(hidden, 0.0)
+                unflat(ds, nb).masked_fill_(hidden, 0.0)
             add_heads(dq_blk, nb, lo, hi, bmm(ds, k_h))
             add_keys(dv, sel, nb, lo, hi, bmm(p.transpose(1, 2), do_h))
             add_keys(dk, sel, nb, lo, hi, bmm(ds.transpose(1, 2), q_h))
@@ -114,4 +130,6 @@ def backward(
             dq[:, r0:r1] = tiles.queries(dq_blk)
     dq.mul_(spec.scale)
     dk.mul_(spec.scale)
+    if keys.bad is not None:
+        dv.masked_fill_(keys.bad, 0.0)
     return unrows(unflat(dq, nb), g), unflat(dk, nb), unflat(dv, nb), dbias

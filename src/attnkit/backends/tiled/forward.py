@@ -11,9 +11,11 @@ maximum, which lets ``skipping.needed`` leave out the heads whose weights are ne
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from attnkit.backends.tiled.layout import flat, head_tile, heads, rows, unflat, unrows
+from attnkit.backends.tiled.layout import keys as key_rows
 from attnkit.backends.tiled.skipping import can_skip, needed, row_max
 from attnkit.backends.tiled.softmax import (
     LAZY_SHIFT,
@@ -29,7 +31,32 @@ from attnkit.backends.tiled.tiles import KeyTiles, Spec, Tiles
 __all__ = ["forward"]
 
 
-def _lazy_block(tiles: Tiles, q_blk: Tensor, keys: KeyTiles, i0: int, i1: int) -> State:
+class _Reach:
+    """Which output entries of a query block see a non-finite value (``KeyTiles.bad``):
+    ``(b * h_kv, rows, dv)`` bool, or None while there are none."""
+
+    def __init__(self, tiles: Tiles, keys: KeyTiles) -> None:
+        self.tiles, self.keys, self.mask = tiles, keys, None
+
+    def add(self, allowed: Tensor | None, sel) -> None:
+        """Count the tile ``sel`` with its allowed positions (row layout; None: all)."""
+        bad = self.keys.bad
+        if bad is None:
+            return
+        bad_t = key_rows(bad, sel).to(self.keys.v.dtype)  # (b * h_kv, bj, dv)
+        if allowed is None:
+            reach = bad_t.sum(dim=1, keepdim=True) > 0  # (b * h_kv, 1, dv)
+        else:
+            nb, hk = self.tiles.nb, self.tiles.hk
+            rows, bj = allowed.shape[-2], allowed.shape[-1]
+            vis = allowed.expand(nb, hk, rows, bj).reshape(nb * hk, rows, bj)
+            reach = torch.bmm(vis.to(bad_t.dtype), bad_t) > 0  # (b * h_kv, rows, dv)
+        self.mask = reach if self.mask is None else self.mask | reach
+
+
+def _lazy_block(
+    tiles: Tiles, q_blk: Tensor, keys: KeyTiles, i0: int, i1: int, reach: _Reach
+) -> State:
     """The online softmax of one query block without a bias.
 
     A logit is at most ``max |q2_i| * max |k_j|`` in size (Cauchy-Schwarz): a fully visible tile
@@ -41,6 +68,7 @@ def _lazy_block(tiles: Tiles, q_blk: Tensor, keys: KeyTiles, i0: int, i1: int) -
         allowed = tiles.allowed(i0, i1, sel, declared)
         if allowed is not None and not bool(allowed.any()):
             continue  # a tile that evaluates all blocked costs nothing more
+        reach.add(allowed, sel)
         _, k_tt, v_t, _, k_top = keys.get(sel)
         small = allowed is None and q_top * k_top < LAZY_SHIFT
         s = tiles.logits(q_blk, k_tt, allowed, None)
@@ -48,7 +76,9 @@ def _lazy_block(tiles: Tiles, q_blk: Tensor, keys: KeyTiles, i0: int, i1: int) -
     return state
 
 
-def _exact_block(tiles: Tiles, q_blk: Tensor, keys: KeyTiles, i0: int, i1: int) -> State:
+def _exact_block(
+    tiles: Tiles, q_blk: Tensor, keys: KeyTiles, i0: int, i1: int, reach: _Reach
+) -> State:
     """The online softmax of one query block with a bias (exact running maximum)."""
     nb, dv = tiles.nb, keys.v.shape[-1]
     state = State()
@@ -59,6 +89,7 @@ def _exact_block(tiles: Tiles, q_blk: Tensor, keys: KeyTiles, i0: int, i1: int) 
         allowed = tiles.allowed(i0, i1, sel, declared)
         if allowed is not None and not bool(allowed.any()):
             continue
+        reach.add(allowed, sel)
         bias = tiles.bias(i0, i1, sel)
         _, k_tt, v_t, _, _ = keys.get(sel)
         lo, hi = 0, tiles.hk  # the key heads to compute: all, unless some are negligible
@@ -86,24 +117,38 @@ def _exact_block(tiles: Tiles, q_blk: Tensor, keys: KeyTiles, i0: int, i1: int) 
     return state
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> tuple[Tensor, Tensor]:
-    """Output ``(b, h, i, dv)`` and natural log-sum-exp ``(b, h, i)``, in the compute dtype."""
+def forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Output ``(b, h, i, dv)`` and natural log-sum-exp ``(b, h, i)`` in the compute dtype, and
+    where the output must read NaN because a row sees a non-finite value (``(b, h, i, dv)``
+    bool, None when nowhere): the output itself reads those values as 0."""
     tiles = Tiles(spec, q, k)
     g, dtype, nb = tiles.g, tiles.dtype, tiles.nb
+    dv = v.shape[-1]
+    if q.numel() == 0 or k.shape[2] == 0:  # nothing to attend: zeros, as the reference gives
+        out = q.new_zeros(*q.shape[:-1], dv, dtype=dtype)
+        return out, q.new_full(q.shape[:-1], tiles.blocked, dtype=dtype), None
     q_r = flat(rows(q.to(dtype), g))  # (b * h_kv, i * g, d)
     k, v = flat(k.to(dtype)), flat(v.to(dtype))  # (b * h_kv, j, d)
     bh, n_rows = q_r.shape[:2]
-    dv = v.shape[-1]
     keys = KeyTiles(k, v, bounds=True)
     out = q_r.new_empty(bh, n_rows, dv)
     lse = q_r.new_empty(bh, n_rows)
+    poisoned = None
+    if keys.bad is not None:
+        poisoned = torch.zeros(bh, n_rows, dv, dtype=torch.bool, device=q.device)
     block = _exact_block if spec.has_bias else _lazy_block
     for i0 in range(0, tiles.ni, spec.block_q):
         i1 = min(tiles.ni, i0 + spec.block_q)
         r0, r1 = i0 * g, i1 * g
         q_blk = tiles.queries(q_r[:, r0:r1]) * (spec.scale * LOG2E)  # base-2 scale folded in
-        blk_out, blk_lse = finish(block(tiles, q_blk, keys, i0, i1), q_blk, dv, tiles.blocked)
+        reach = _Reach(tiles, keys)
+        state = block(tiles, q_blk, keys, i0, i1, reach)
+        blk_out, blk_lse = finish(state, q_blk, dv, tiles.blocked)
         out[:, r0:r1] = tiles.queries(blk_out)
         lse[:, r0:r1] = tiles.queries(blk_lse)
+        if poisoned is not None and reach.mask is not None:
+            poisoned[:, r0:r1] = tiles.queries(reach.mask.expand(bh, r1 - r0, dv))
     out4, lse4 = unflat(out, nb), unflat(lse.unsqueeze(-1), nb)
-    return unrows(out4, g), unrows(lse4, g).squeeze(-1)
+    if poisoned is not None:
+        poisoned = unrows(unflat(poisoned, nb), g)
+    return unrows(out4, g), unrows(lse4, g).squeeze(-1), poisoned

@@ -150,15 +150,22 @@ def lazy_shift(state: State, s: Tensor, small: bool) -> Tensor | None:
 
 
 def finish(state: State, like: Tensor, dv: int, blocked: float) -> tuple[Tensor, Tensor]:
-    """``(output (n, rows, dv), lse (n, rows))`` of a finished state, ``lse`` in natural log;
-    rows without a visible key (and an empty state) give output 0 and ``lse = blocked``."""
+    """``(output (n, rows, dv), lse (n, rows))`` of a finished state, ``lse`` in natural log.
+
+    Rows without a visible key (and an empty state) give output 0 and ``lse = blocked``; so do
+    rows whose scores were all ``-inf``. A NaN or ``+inf`` shift means a NaN or ``+inf`` score:
+    the row is NaN, as in the reference (its per-element weights may have been flushed)."""
     state = state.filled(like, dv, blocked)
     assert state.l is not None and state.acc is not None
     l = state.l.clamp_min(1e-30)
     m = torch.zeros_like(l) if state.m is None else state.m
-    seen = m > blocked  # rows with at least one visible key
+    seen = m > blocked  # rows with at least one visible key (False for NaN and -inf too)
     out = torch.where(seen.unsqueeze(-1), state.acc / l.unsqueeze(-1), 0)
     lse = torch.where(seen, (m + torch.log2(l)) * LN2, blocked)
+    broken = torch.isnan(m) | torch.isposinf(m)
+    if bool(broken.any()):
+        out = out.masked_fill(broken.unsqueeze(-1), float("nan"))
+        lse = lse.masked_fill(broken, float("nan"))
     return out, lse
 
 

@@ -19,7 +19,7 @@ from attnkit._numerics import blocked, compute_dtype
 from attnkit.backends.tiled.layout import bmm, flip_queries, keys, tile_rows, unflat
 from attnkit.backends.tiled.relative import Relative
 from attnkit.backends.tiled.softmax import LOG2E
-from attnkit.masks import BiasFn, MaskFn, structure_of
+from attnkit.masks import BiasFn, MaskFn, checked_bias, checked_mask, structure_of
 
 __all__ = ["BLOCK_K", "BLOCK_K_BIAS", "BLOCK_Q", "BLOCK_Q_BIAS", "KeyTiles", "Spec", "Tiles"]
 
@@ -166,7 +166,7 @@ class Tiles:
             parts.append(self._slice(spec.mask, i0, i1, sel))
         if spec.mask_fn is not None and state is None:
             i, j = self._positions(i0, i1, sel)
-            parts.append(spec.mask_fn(self.b_idx, self.h_idx, i, j))
+            parts.append(checked_mask(spec.mask_fn(self.b_idx, self.h_idx, i, j)))
         if not parts:
             return None
         allowed = parts[0]
@@ -188,7 +188,7 @@ class Tiles:
             parts.append(self._slice(spec.bias, i0, i1, sel))
         if spec.bias_fn is not None:
             i, j = self._positions(i0, i1, sel)
-            parts.append(spec.bias_fn(self.b_idx, self.h_idx, i, j))
+            parts.append(checked_bias(spec.bias_fn(self.b_idx, self.h_idx, i, j)))
         if not parts:
             return None
         bias = parts[0] if len(parts) == 1 else parts[0] + parts[1]
@@ -223,10 +223,15 @@ def _width(sel: Sel) -> int:
 class KeyTiles:
     """The key and value tiles of a call, made once per tile and reused by every query block:
     ``(k_t, k_t^T, v_t, v_t^T, largest |k_j|)``, views for a slice (``inf`` without
-    ``bounds``). ``norm`` ``(b * h_kv, j)`` holds every ``|k_j|`` when ``bounds``."""
+    ``bounds``). ``norm`` ``(b * h_kv, j)`` holds every ``|k_j|`` when ``bounds``.
+
+    Non-finite entries of ``v`` are read as 0 (``bad`` marks them, None when there are none):
+    the rows that can see them become NaN afterwards (``attnkit._numerics``)."""
 
     def __init__(self, k: Tensor, v: Tensor, bounds: bool) -> None:
-        self.k, self.v = k, v
+        bad = ~torch.isfinite(v)
+        self.bad = bad if bool(bad.any()) else None  # (b * h_kv, j, dv)
+        self.k, self.v = k, (v if self.bad is None else v.masked_fill(bad, 0.0))
         self.norm = k.norm(dim=-1) if bounds else None  # (b * h_kv, j)
         self.cache: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor, Tensor, float]] = {}
 
@@ -234,7 +239,8 @@ class KeyTiles:
         key = (sel.start, sel.stop) if isinstance(sel, slice) else None
         hit = self.cache.get(key) if key is not None else None
         if hit is None:
-            top = math.inf if self.norm is None else float(keys(self.norm, sel).max())
+            norm = None if self.norm is None else keys(self.norm, sel)
+            top = math.inf if norm is None or norm.numel() == 0 else float(norm.max())
             k_t, v_t = keys(self.k, sel), keys(self.v, sel)
             hit = (k_t, k_t.mT, v_t, v_t.mT, top)
             if key is not None:
