@@ -53,3 +53,18 @@ def test_linear_rejects_bad_inputs() -> None:
         linear_attention(x, x[:, :, :3], x[:, :, :3], is_causal=True)
     with pytest.raises(ValueError, match="divide"):
         linear_attention(torch.randn(1, 3, 5, 4), x, x)
+
+
+def test_linear_attention_validates_like_the_reference() -> None:
+    q = torch.randn(1, 2, 5, 4)
+    with pytest.raises(
+        TypeError, match=r"query must be a floating-point tensor, got dtype torch\.int64"
+    ):
+        linear_attention(q.long(), q, q)
+    with pytest.raises(TypeError, match="must share a dtype"):
+        linear_attention(q, q.double(), q)
+    for eps in (-1e-6, float("nan")):
+        with pytest.raises(ValueError, match="eps must be a non-negative number"):
+            linear_attention(q, q, q, eps=eps)
+    with pytest.raises(ValueError, match="eps must be a non-negative number"):
+        linear_attention_quadratic(q, q, q, eps=-1.0)

@@ -257,3 +257,28 @@ def test_initialisation_of_stacks() -> None:
     # feed-forward weights: torch's Linear default, uniform with bound 1/sqrt(fan_in)
     assert block.ffn.up.weight.abs().max() <= 64**-0.5
     assert block.ffn.down.weight.abs().max() <= 128**-0.5
+
+
+def test_alibi_encoder_propagates_a_nan_token_and_trains_under_autocast() -> None:
+    """A NaN in one token's vectors reaches every row of an ALiBi encoder (bidirectional: every
+    row sees every token) on its default backend, instead of vanishing; in a causal stack it
+    reaches only the rows after it. The same encoder trains under CPU autocast (bf16, fp16)."""
+    torch.manual_seed(0)
+    config = TransformerConfig(embed_dim=32, num_heads=4, num_layers=2, positional="alibi")
+    encoder = TransformerEncoder(config)
+    x = torch.randn(2, 40, 32)
+    x[1, 7] = float("nan")
+    out, _ = encoder(x)
+    assert not bool(torch.isnan(out[0]).any())
+    assert bool(torch.isnan(out[1]).all())
+    causal_out, _ = encoder(x, is_causal=True)
+    assert not bool(torch.isnan(causal_out[1, :7]).any())
+    assert bool(torch.isnan(causal_out[1, 7:]).all())
+    clean = torch.randn(2, 40, 32)
+    for cast in (torch.bfloat16, torch.float16):
+        encoder.zero_grad()
+        with torch.autocast("cpu", dtype=cast):
+            hidden, _ = encoder(clean, masks.padding_mask([40, 25]))
+        hidden.float().square().mean().backward()
+        grads = [p.grad for p in encoder.parameters() if p.requires_grad]
+        assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads), cast

@@ -342,3 +342,42 @@ def test_low_rank_masks_and_bias_broadcast(backend) -> None:
     expected = torch_oracle(q, k, v, keep.expand(4, 5), bias.expand(4, 5))
     got = sdpa(q, k, v, keep, bias=bias, backend=backend)
     torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+
+
+def test_bad_shapes_devices_and_mask_functions_are_named_before_any_work() -> None:
+    q = torch.randn(1, 2, 5, 4)
+    empty = torch.randn(1, 2, 5, 0)
+    with pytest.raises(ValueError, match="width d = 0, so the default scale 1/sqrt"):
+        scaled_dot_product_attention(empty, empty, q)
+    # With a scale, d = 0 is meaningful: every score is 0, so each row averages the values.
+    out = scaled_dot_product_attention(empty, empty, q, scale=1.0)
+    torch.testing.assert_close(out, q.mean(dim=2, keepdim=True).expand_as(q))
+    meta_bias = torch.zeros(1, 1, 5, 5, device="meta")
+    for name, kwargs in (("bias", {"bias": meta_bias}), ("mask", {"mask": meta_bias.bool()})):
+        for backend in ("torch", "auto", "tiled"):
+            with pytest.raises(ValueError, match=f"{name} is on device meta but"):
+                scaled_dot_product_attention(q, q, q, backend=backend, **kwargs)
+    float_mask = lambda b, h, i, j: (j <= i).float()  # noqa: E731  (additive? no: a mistake)
+    for backend in ("torch", "auto", "math", "tiled", "chunked"):
+        with pytest.raises(TypeError, match="a mask function must return a bool tensor"):
+            scaled_dot_product_attention(q, q, q, float_mask, backend=backend)
+    bool_bias = lambda b, h, i, j: j <= i  # noqa: E731
+    for backend in ("torch", "tiled"):
+        with pytest.raises(TypeError, match="a bias function must return a floating-point"):
+            scaled_dot_product_attention(q, q, q, bias=bool_bias, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["math", "torch", "tiled", "chunked", "auto"])
+def test_overflowing_scores_and_minus_inf_rows_are_not_silent(backend: str) -> None:
+    """scale=1e300 overflows the scores: the rows become NaN as in the reference, never zeros.
+    An additive -inf over a whole row blocks it like a mask: zeros on every backend."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=g) for _ in range(3))
+    out = scaled_dot_product_attention(q, k, v, scale=1e300, backend=backend)
+    assert bool(torch.isnan(out).all())
+    bias = torch.zeros(1, 2, 9, 9)
+    bias[:, :, 3] = float("-inf")
+    out = scaled_dot_product_attention(q, k, v, bias=bias, backend=backend)
+    assert bool((out[:, :, 3] == 0).all()) and bool(torch.isfinite(out).all())
+    ref = scaled_dot_product_attention(q, k, v, backend="math")
+    torch.testing.assert_close(out[:, :, 4:], ref[:, :, 4:])

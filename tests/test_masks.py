@@ -97,3 +97,16 @@ def test_functions_equal_tensors(i: int, j: int) -> None:
     assert torch.equal(win, masks.sliding_window_mask(i, j, left=2, right=1))
     with pytest.raises(ValueError, match=r"\(b, h, i, j\) shape"):
         masks.materialize(masks.causal_fn(), (i, j))
+
+
+def test_from_torch_refuses_integer_padding_masks() -> None:
+    """An integer key_padding_mask used to keep every key (its padding silently ignored)."""
+    kpm = torch.tensor([[0, 0, 1]], dtype=torch.uint8)
+    for dtype in (torch.uint8, torch.int64):
+        with pytest.raises(TypeError, match=f"key_padding_mask must be bool .* got dtype {dtype}"):
+            masks.from_torch(None, kpm.to(dtype))
+    with pytest.raises(ValueError, match="values other than 0 and -inf"):
+        masks.from_torch(None, torch.tensor([[0.0, 0.5]]))
+    additive = torch.tensor([[0.0, 0.0, float("-inf")]])
+    assert masks.from_torch(None, additive).flatten().tolist() == [True, True, False]
+    assert masks.from_torch(None, kpm.bool()).flatten().tolist() == [True, True, False]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnkit._numerics import compute_dtype
 from attnkit.backends.tiled.layout import (
     add_heads,
     add_keys,
@@ -66,14 +67,15 @@ def backward(
     ``out`` is the output before non-finite values of ``v`` were turned into NaN, and
     ``grad_out`` is zero where they were: those entries carry no gradient, as in the
     reference, and neither do the non-finite entries of ``v`` themselves."""
-    tiles = Tiles(spec, q, k)
-    g, dtype, nb = tiles.g, tiles.dtype, tiles.nb
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:  # nothing was attended
+        dtype = compute_dtype(q.dtype)
         dbias = None
         if want_dbias and spec.bias is not None:
             dbias = torch.zeros(spec.bias.shape, dtype=dtype, device=q.device)
         zeros = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
         return (*zeros, dbias)  # type: ignore[return-value]
+    tiles = Tiles(spec, q, k)
+    g, dtype, nb = tiles.g, tiles.dtype, tiles.nb
     q_c = flat(rows(q.to(dtype), g))  # (b * h_kv, i * g, d)
     k, v = flat(k.to(dtype)), flat(v.to(dtype))  # (b * h_kv, j, d)
     do = flat(rows(grad_out.to(dtype), g))  # (b * h_kv, i * g, dv)

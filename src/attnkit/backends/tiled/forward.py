@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnkit._numerics import blocked, compute_dtype
 from attnkit.backends.tiled.layout import flat, head_tile, heads, rows, unflat, unrows
 from attnkit.backends.tiled.layout import keys as key_rows
 from attnkit.backends.tiled.skipping import can_skip, needed, row_max
@@ -33,24 +34,21 @@ __all__ = ["forward"]
 
 class _Reach:
     """Which output entries of a query block see a non-finite value (``KeyTiles.bad``):
-    ``(b * h_kv, rows, dv)`` bool, or None while there are none."""
+    ``(b * h_kv, rows, dv)`` bool, or None while there are none. A key is seen where its
+    logit is above the blocked minimum: masked keys and ``-inf`` scores are not."""
 
     def __init__(self, tiles: Tiles, keys: KeyTiles) -> None:
         self.tiles, self.keys, self.mask = tiles, keys, None
 
-    def add(self, allowed: Tensor | None, sel) -> None:
-        """Count the tile ``sel`` with its allowed positions (row layout; None: all)."""
+    def add(self, s: Tensor, sel) -> None:
+        """Count the logits ``s`` ``(b * h_kv, rows, bj)`` of tile ``sel`` (before ``update``)."""
         bad = self.keys.bad
         if bad is None:
             return
-        bad_t = key_rows(bad, sel).to(self.keys.v.dtype)  # (b * h_kv, bj, dv)
-        if allowed is None:
-            reach = bad_t.sum(dim=1, keepdim=True) > 0  # (b * h_kv, 1, dv)
-        else:
-            nb, hk = self.tiles.nb, self.tiles.hk
-            rows, bj = allowed.shape[-2], allowed.shape[-1]
-            vis = allowed.expand(nb, hk, rows, bj).reshape(nb * hk, rows, bj)
-            reach = torch.bmm(vis.to(bad_t.dtype), bad_t) > 0  # (b * h_kv, rows, dv)
+        bad_t = key_rows(bad, sel).to(s.dtype)  # (b * h_kv, bj, dv)
+        seen = (s > self.tiles.blocked).to(s.dtype)  # NaN scores are above nothing: see below
+        seen = seen.masked_fill_(torch.isnan(s), 1.0)
+        reach = torch.bmm(seen, bad_t) > 0  # (b * h_kv, rows, dv)
         self.mask = reach if self.mask is None else self.mask | reach
 
 
@@ -68,10 +66,10 @@ def _lazy_block(
         allowed = tiles.allowed(i0, i1, sel, declared)
         if allowed is not None and not bool(allowed.any()):
             continue  # a tile that evaluates all blocked costs nothing more
-        reach.add(allowed, sel)
         _, k_tt, v_t, _, k_top = keys.get(sel)
         small = allowed is None and q_top * k_top < LAZY_SHIFT
         s = tiles.logits(q_blk, k_tt, allowed, None)
+        reach.add(s, sel)
         state = update(state, s, v_t, lazy_shift(state, s, small), None, tiles.blocked)
     return state
 
@@ -89,11 +87,10 @@ def _exact_block(
         allowed = tiles.allowed(i0, i1, sel, declared)
         if allowed is not None and not bool(allowed.any()):
             continue
-        reach.add(allowed, sel)
         bias = tiles.bias(i0, i1, sel)
         _, k_tt, v_t, _, _ = keys.get(sel)
         lo, hi = 0, tiles.hk  # the key heads to compute: all, unless some are negligible
-        if can_skip(allowed, bias, sel):
+        if keys.bad is None and can_skip(allowed, bias, sel):  # skipping would hide them
             top = row_max(tiles, bias, i0, i1, sel)
             k_sel = k_norm[:, sel]
             lo, hi = needed(tiles, q_norm, k_sel, top, state.m)
@@ -101,6 +98,7 @@ def _exact_block(
             continue
         if (lo, hi) == (0, tiles.hk):  # every head: the whole tensors, no copies
             s = tiles.logits(q_blk, k_tt, allowed, bias)
+            reach.add(s, sel)
             state = update(state, s, v_t, exact_shift(state, s), tiles.flush_below, tiles.blocked)
             continue
         # Some heads only: update those rows of the (written-out) state.
@@ -121,12 +119,13 @@ def forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> tuple[Tensor, Tensor
     """Output ``(b, h, i, dv)`` and natural log-sum-exp ``(b, h, i)`` in the compute dtype, and
     where the output must read NaN because a row sees a non-finite value (``(b, h, i, dv)``
     bool, None when nowhere): the output itself reads those values as 0."""
-    tiles = Tiles(spec, q, k)
-    g, dtype, nb = tiles.g, tiles.dtype, tiles.nb
     dv = v.shape[-1]
     if q.numel() == 0 or k.shape[2] == 0:  # nothing to attend: zeros, as the reference gives
+        dtype = compute_dtype(q.dtype)
         out = q.new_zeros(*q.shape[:-1], dv, dtype=dtype)
-        return out, q.new_full(q.shape[:-1], tiles.blocked, dtype=dtype), None
+        return out, q.new_full(q.shape[:-1], blocked(dtype), dtype=dtype), None
+    tiles = Tiles(spec, q, k)
+    g, dtype, nb = tiles.g, tiles.dtype, tiles.nb
     q_r = flat(rows(q.to(dtype), g))  # (b * h_kv, i * g, d)
     k, v = flat(k.to(dtype)), flat(v.to(dtype))  # (b * h_kv, j, d)
     bh, n_rows = q_r.shape[:2]
