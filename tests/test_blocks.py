@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -282,3 +283,35 @@ def test_alibi_encoder_propagates_a_nan_token_and_trains_under_autocast() -> Non
         hidden.float().square().mean().backward()
         grads = [p.grad for p in encoder.parameters() if p.requires_grad]
         assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads), cast
+
+
+@pytest.mark.parametrize("mode", ["autocast-bf16", "autocast-fp16", "bf16", "fp16"])
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope", "alibi", "relative"])
+def test_stacks_run_forward_and_backward_in_low_precision(mode: str, positional: str) -> None:
+    """Every positional scheme, encoder and decoder (with a KV cache), forward and backward,
+    under CPU autocast and with bfloat16/float16 weights: finite outputs and gradients, and the
+    output dtype autocast or the weights give."""
+    dtype = torch.bfloat16 if mode.endswith("bf16") else torch.float16
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        embed_dim=32, num_heads=4, num_layers=2, positional=positional, vocab_size=50
+    )
+    ids = torch.randint(0, 50, (2, 12))
+    for stack in (TransformerEncoder(config), TransformerDecoder(config)):
+        if not mode.startswith("autocast"):
+            stack = stack.to(dtype)
+        low = mode.startswith("autocast")
+        with torch.autocast("cpu", dtype=dtype) if low else contextlib.nullcontext():
+            if isinstance(stack, TransformerDecoder):
+                caches = stack.new_caches()
+                first, _ = stack(ids[:, :7], caches=caches)
+                rest, _ = stack(ids[:, 7:], caches=caches)
+                out = torch.cat([first, rest], dim=1)
+            else:
+                out, _ = stack(ids, masks.padding_mask([12, 5]))
+        assert bool(torch.isfinite(out).all()), type(stack).__name__
+        if not mode.startswith("autocast"):
+            assert out.dtype == dtype
+        out.float().square().mean().backward()
+        grads = [p.grad for p in stack.parameters() if p.requires_grad and p.grad is not None]
+        assert grads and all(bool(torch.isfinite(g).all()) for g in grads)
