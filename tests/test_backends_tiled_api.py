@@ -229,3 +229,35 @@ def test_leading_dims_with_a_broadcast_mask_and_bias() -> None:
         ref = scaled_dot_product_attention(q, k, v, backend="math", **kw)
         out = scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
         torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("h_kv", [4, 2])
+def test_softcap_and_sinks_equal_the_reference_with_gradients(h_kv: int) -> None:
+    """Soft-capped logits and attention sinks through the tiled forward and its recomputing
+    backward (the sinks' gradient included), with masks, causal, ALiBi and a bias tensor."""
+    from attnkit import alibi_fn
+
+    q, k, v = _qkv(37, 45, h_kv=h_kv)
+    sinks = torch.linspace(-1.0, 2.0, 4, dtype=F64)
+    cases = [
+        {},
+        {"is_causal": True},
+        {"bias": alibi_fn(4)},
+        {"mask": masks.window_fn(5)},
+        {"bias": torch.randn(1, 4, 37, 45, dtype=F64)},
+    ]
+    for case in cases:
+        for extra in ({"softcap": 3.0}, {"sinks": sinks}, {"softcap": 2.0, "sinks": sinks}):
+            results = []
+            for backend in ("math", "tiled", "auto"):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+                kwargs = {**case, **extra}
+                if "sinks" in kwargs:
+                    kwargs["sinks"] = leaves[3]
+                out = scaled_dot_product_attention(*leaves[:3], backend=backend, **kwargs)
+                weight = torch.linspace(-1, 1, out.numel(), dtype=F64).view_as(out)
+                used = leaves if "sinks" in kwargs else leaves[:3]
+                results.append((out, *torch.autograd.grad((out * weight).sum(), used)))
+            for got in results[1:]:
+                for a, b_ in zip(results[0], got, strict=True):
+                    torch.testing.assert_close(b_, a, atol=1e-12, rtol=1e-10)

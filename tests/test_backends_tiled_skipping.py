@@ -29,12 +29,16 @@ def test_negligible_bits_are_the_mantissa_plus_the_margin() -> None:
     assert {dtype: negligible_bits(dtype) for dtype in want} == want
 
 
-def test_can_skip_needs_a_bias_no_mask_and_a_contiguous_tile() -> None:
+def test_can_skip_needs_a_bias_no_mask_a_contiguous_tile_and_no_softcap() -> None:
     bias, mask, idx = torch.zeros(1), torch.ones(1, dtype=torch.bool), torch.tensor([0, 2])
-    assert can_skip(None, bias, slice(0, 4))
-    assert not can_skip(None, None, slice(0, 4))
-    assert not can_skip(mask, bias, slice(0, 4))
-    assert not can_skip(None, bias, idx)
+    q, k, _ = _qkv(9, 9)
+    tiles = Tiles(Spec(1.0, bias=bias.view(1, 1, 1, 1)), q, k)
+    capped = Tiles(Spec(1.0, bias=bias.view(1, 1, 1, 1), softcap=5.0), q, k)
+    assert can_skip(tiles, None, bias, slice(0, 4))
+    assert not can_skip(tiles, None, None, slice(0, 4))
+    assert not can_skip(tiles, mask, bias, slice(0, 4))
+    assert not can_skip(tiles, None, bias, idx)
+    assert not can_skip(capped, None, bias, slice(0, 4))  # its bounds are of raw logits
 
 
 @pytest.mark.parametrize("declared", [False, True])

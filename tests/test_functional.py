@@ -381,3 +381,59 @@ def test_overflowing_scores_and_minus_inf_rows_are_not_silent(backend: str) -> N
     assert bool((out[:, :, 3] == 0).all()) and bool(torch.isfinite(out).all())
     ref = scaled_dot_product_attention(q, k, v, backend="math")
     torch.testing.assert_close(out[:, :, 4:], ref[:, :, 4:])
+
+
+def _capped_sink_formula(q, k, v, *, softcap=None, sinks=None, mask=None):
+    """The papers' formulas written directly, float64: Gemma 2's logit cap, then the gpt-oss
+    sink in each row's denominator: w_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    e = torch.exp(s)
+    if mask is not None:
+        e = e * mask
+    denominator = e.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denominator = denominator + torch.exp(sinks).view(1, -1, 1, 1)
+    w = torch.where(denominator > 0, e / denominator, 0.0)  # a fully masked row: zeros
+    return w @ v, w
+
+
+@pytest.mark.parametrize("h_kv", [4, 2])
+def test_softcap_and_sinks_equal_their_formulas(h_kv: int) -> None:
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 9, 8, dtype=torch.float64, generator=g) * 3
+    k = torch.randn(2, h_kv, 13, 8, dtype=torch.float64, generator=g)
+    v = torch.randn(2, h_kv, 13, 5, dtype=torch.float64, generator=g)
+    sinks = torch.randn(4, dtype=torch.float64, generator=g)
+    mask = torch.rand(2, 1, 9, 13, generator=g) > 0.3
+    mask[0, 0, 4] = False  # a fully masked row: the sink takes all its weight, output 0
+    for kwargs in ({"softcap": 2.5}, {"sinks": sinks}, {"softcap": 1.5, "sinks": sinks}):
+        want_out, want_w = _capped_sink_formula(q, k, v, mask=mask, **kwargs)
+        out, w = scaled_dot_product_attention(
+            q, k, v, mask, return_weights=True, backend="math", **kwargs
+        )
+        torch.testing.assert_close(out, want_out, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(w, want_w, atol=1e-12, rtol=1e-12)
+        if "sinks" in kwargs:  # rows sum to less than one
+            assert bool((w.sum(dim=-1) < 1).all())
+            assert bool((out[0, :, 4] == 0).all())
+
+
+def test_softcap_and_sinks_are_validated_and_declined_by_torch() -> None:
+    q = torch.randn(1, 2, 5, 4)
+    for bad in (0.0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="softcap must be a positive finite number"):
+            scaled_dot_product_attention(q, q, q, softcap=bad)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(h,\) = \(2,\)"):
+        scaled_dot_product_attention(q, q, q, sinks=torch.zeros(3))
+    with pytest.raises(TypeError, match="sinks must be a floating-point tensor"):
+        scaled_dot_product_attention(q, q, q, sinks=torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="query needs a head axis"):
+        scaled_dot_product_attention(q[0], q[0], q[0], sinks=torch.zeros(5))
+    for kwargs, word in (({"softcap": 3.0}, "softcap"), ({"sinks": torch.zeros(2)}, "sinks")):
+        with pytest.raises(BackendUnavailable, match=f"no .*\\({word}\\)"):
+            scaled_dot_product_attention(q, q, q, backend="torch", **kwargs)
+        assert select_backend("auto", make_call(q, q, q, **kwargs)).name == "tiled"

@@ -56,6 +56,8 @@ def scaled_dot_product_attention(
     return_weights: bool = False,
     backend: str = "auto",
     generator: torch.Generator | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of ``query`` over ``key``/``value``.
 
@@ -82,6 +84,13 @@ def scaled_dot_product_attention(
         backend: ``"auto"`` (torch's fused kernel when it can serve the call, else the math),
             ``"math"`` (the reference below), ``"torch"``, or any registered backend.
         generator: random generator for dropout, for reproducible masks.
+        softcap: caps the scores, ``softcap * tanh((scale * q.k + bias) / softcap)``, before
+            masking (logit soft-capping, Gemma 2).
+        sinks: ``(h,)``, one learned logit per query head that joins each row's softmax
+            denominator without contributing a value, so a row's weights may sum to less than
+            one: ``w_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))`` (the attention sinks of
+            gpt-oss; Xiao et al. 2023, arXiv:2309.17453, for the phenomenon). Needs a head
+            axis (inputs of 4 or more dims).
 
     Returns:
         The output ``(..., h, i, dv)`` in the query's dtype, or ``(output, weights)``. Under
@@ -99,6 +108,8 @@ def scaled_dot_product_attention(
         dropout_p=dropout_p,
         return_weights=return_weights,
         generator=generator,
+        softcap=softcap,
+        sinks=sinks,
     )
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
@@ -123,6 +134,8 @@ def make_call(
     dropout_p: float = 0.0,
     return_weights: bool = False,
     generator: torch.Generator | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> AttentionCall:
     """Validate the arguments of an attention call; every problem is reported before any work."""
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -205,6 +218,14 @@ def make_call(
         raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if softcap is not None and (
+        not isinstance(softcap, Real)
+        or isinstance(softcap, bool)
+        or not (math.isfinite(softcap) and softcap > 0)
+    ):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+    if sinks is not None:
+        _check_sinks(sinks, query)
     return AttentionCall(
         query,
         key,
@@ -216,6 +237,8 @@ def make_call(
         float(dropout_p),
         generator,
         return_weights,
+        None if softcap is None else float(softcap),
+        sinks,
     )
 
 
@@ -229,6 +252,24 @@ def _check_broadcast(name: str, t: Tensor, score_shape: tuple[int, ...]) -> None
             f"{name} of shape {tuple(t.shape)} does not broadcast to the scores' shape "
             f"{tuple(score_shape)} (..., h, i, j)"
         )
+
+
+def _check_sinks(sinks: object, query: Tensor) -> None:
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        got = sinks.dtype if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise TypeError(f"sinks must be a floating-point tensor of shape (h,), got {got}")
+    if query.ndim < 4:
+        raise ValueError(
+            f"sinks are one logit per head, so query needs a head axis (..., h, i, d); "
+            f"got query {tuple(query.shape)}"
+        )
+    h = query.shape[-3]
+    if tuple(sinks.shape) != (h,):
+        raise ValueError(
+            f"sinks must have shape (h,) = ({h},), one logit per query head; "
+            f"got {tuple(sinks.shape)}"
+        )
+    _check_device("sinks", sinks, query)
 
 
 def _check_device(name: str, t: Tensor, query: Tensor) -> None:
@@ -245,6 +286,12 @@ def _grouped(t: Tensor, ndim: int, h_kv: int, g: int) -> Tensor:
     if t.shape[-3] == 1:
         return t.unsqueeze(-3)  # (..., 1, 1, i, j)
     return t.unflatten(-3, (h_kv, g))  # (..., h_kv, g, i, j)
+
+
+def _sink_column(sinks: Tensor, scores: Tensor, g: int) -> Tensor:
+    """The sink logit of each row, ``(..., h, i, 1)`` (grouped: ``(..., h_kv, g, i, 1)``)."""
+    column = sinks.view(-1, g, 1, 1) if g > 1 else sinks.view(-1, 1, 1)
+    return column.expand(*scores.shape[:-1], 1)
 
 
 def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
@@ -268,13 +315,19 @@ def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     scores = (q.to(compute) @ k.to(compute).transpose(-2, -1)) * call.scale  # (..., i, j)
     if bias is not None:
         scores = scores + bias
+    if call.softcap is not None:  # logit soft-capping (Gemma Team 2024, Gemma 2, section 2)
+        scores = call.softcap * torch.tanh(scores / call.softcap)
     visible = mask
     minus_inf = torch.isneginf(scores)  # an additive -inf blocks its key, as a mask does
     if bool(minus_inf.any()):
         visible = ~minus_inf if visible is None else visible & ~minus_inf
     if visible is not None:
         scores = scores.masked_fill(~visible, blocked(compute))
-    weights = torch.softmax(scores, dim=-1)
+    if call.sinks is None:
+        weights = torch.softmax(scores, dim=-1)
+    else:  # a sink: one more logit per head in the denominator, with no value (gpt-oss)
+        sink = _sink_column(call.sinks.to(compute), scores, g)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     if visible is not None:
         # A fully masked row softmaxes to uniform; multiplying by the mask makes it zero.
         weights = weights * visible

@@ -54,7 +54,9 @@ class AttentionCall:
     with ``h_kv`` dividing ``h`` (grouped-query attention when they differ, for inputs of 4 or
     more dims; inputs with fewer dims have no head axis). ``mask`` is a bool tensor broadcastable
     to ``(..., h, i, j)`` or a mask function; ``bias`` a float tensor or a bias function.
-    ``is_causal`` is aligned bottom-right.
+    ``is_causal`` is aligned bottom-right. ``softcap`` caps the scores,
+    ``softcap * tanh(scores / softcap)``, before masking; ``sinks`` ``(h,)`` are one logit per
+    query head that joins each row's softmax denominator without a value.
     """
 
     query: Tensor
@@ -67,6 +69,8 @@ class AttentionCall:
     dropout_p: float
     generator: torch.Generator | None
     return_weights: bool
+    softcap: float | None = None
+    sinks: Tensor | None = None
 
     @property
     def n_queries(self) -> int:

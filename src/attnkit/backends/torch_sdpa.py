@@ -29,6 +29,10 @@ _HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 def why_not(call: AttentionCall) -> str | None:
+    if call.softcap is not None:
+        return "torch's fused kernel has no logit soft-capping (softcap)"
+    if call.sinks is not None:
+        return "torch's fused kernel has no attention sinks (sinks)"
     if call.return_weights:
         return "torch's fused kernel does not return the attention weights"
     if call.dropout_p > 0.0 and call.generator is not None:

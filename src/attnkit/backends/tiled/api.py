@@ -23,27 +23,31 @@ class _TiledAttention(torch.autograd.Function):
     """Forward saves only q, k, v, the output and the log-sum-exp; backward recomputes tiles."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, spec: Spec):  # type: ignore[override]
+    def forward(ctx, q, k, v, bias: Tensor | None, sinks: Tensor | None, spec: Spec):  # type: ignore[override]
         spec = replace(spec, bias=bias)
         with no_autocast(q.device):
-            out, lse, poisoned = forward(q, k, v, spec)
+            out, lse, poisoned = forward(q, k, v, spec, sinks)
         out = out.to(q.dtype)
         ctx.spec = spec
-        ctx.save_for_backward(q, k, v, bias, out, lse, poisoned)
+        ctx.save_for_backward(q, k, v, bias, sinks, out, lse, poisoned)
         return out if poisoned is None else out.masked_fill(poisoned, float("nan"))
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
-        q, k, v, bias, out, lse, poisoned = ctx.saved_tensors
+        q, k, v, bias, sinks, out, lse, poisoned = ctx.saved_tensors
         spec = replace(ctx.spec, bias=bias)
         want_dbias = bias is not None and ctx.needs_input_grad[3]
         if poisoned is not None:  # NaN entries from non-finite values carry no gradient
             grad_out = grad_out.masked_fill(poisoned, 0.0)
         with no_autocast(q.device):
-            dq, dk, dv, dbias = backward(q, k, v, out, lse, grad_out, spec, want_dbias)
+            dq, dk, dv, dbias, dsinks = backward(
+                q, k, v, out, lse, grad_out, spec, want_dbias, sinks
+            )
         if dbias is not None:
             dbias = dbias.to(bias.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, None
+        if dsinks is not None:
+            dsinks = dsinks.to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, dsinks, None
 
 
 def _pad4(t: Tensor | None) -> Tensor | None:
@@ -64,6 +68,8 @@ def tiled_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     gather: bool = False,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Differentiable tiled attention on 4-D inputs ``(b, h, i, d)``, ``k, v (b, h_kv, j, d)``.
 
@@ -72,7 +78,8 @@ def tiled_attention(
     bottom-right (as ``scaled_dot_product_attention``). Gradients flow to ``q``, ``k``, ``v``
     and a ``bias`` tensor, not into a bias function's parameters. ``gather=True`` visits all
     the key ranges a query block may see as one group (gathered when they are not contiguous):
-    fewer, larger matmuls for sparse layouts (the ``sparse`` backend).
+    fewer, larger matmuls for sparse layouts (the ``sparse`` backend). ``softcap`` and
+    ``sinks`` ``(h,)`` as in ``scaled_dot_product_attention``; gradients reach ``sinks``.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -80,9 +87,17 @@ def tiled_attention(
         mask_fn = all_of(mask_fn, causal_fn(causal_offset(q.shape[2], k.shape[2])))
     block_q, block_k = tile_sizes(block_q, block_k, bias is not None or bias_fn is not None)
     spec = Spec(
-        scale, _pad4(mask), mask_fn, None, bias_fn, block_q=block_q, block_k=block_k, gather=gather
+        scale,
+        _pad4(mask),
+        mask_fn,
+        None,
+        bias_fn,
+        block_q=block_q,
+        block_k=block_k,
+        gather=gather,
+        softcap=softcap,
     )
-    return _TiledAttention.apply(q, k, v, _pad4(bias), spec)
+    return _TiledAttention.apply(q, k, v, _pad4(bias), sinks, spec)
 
 
 def forward_blocks(
@@ -152,7 +167,7 @@ def backward_blocks(
     """
     spec = _block_spec(scale, mask, mask_fn, bias, bias_fn, q_offset, k_offset, block_q, block_k)
     with torch.no_grad(), no_autocast(q.device):
-        dq, dk, dv, _ = backward(q, k, v, out, lse, grad_out, spec, want_dbias=False)
+        dq, dk, dv, _, _ = backward(q, k, v, out, lse, grad_out, spec, want_dbias=False)
     return dq, dk, dv
 
 
@@ -234,6 +249,8 @@ def run_call(
         block_q=block_q,
         block_k=block_k,
         gather=gather,
+        softcap=call.softcap,
+        sinks=call.sinks,
     )
     return out.reshape(*q.shape[:-1], v.shape[-1])
 

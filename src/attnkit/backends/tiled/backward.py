@@ -60,9 +60,16 @@ def backward(
     grad_out: Tensor,
     spec: Spec,
     want_dbias: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """``(dq, dk, dv, dbias)`` in the compute dtype; ``dbias`` only for a bias tensor when
-    ``want_dbias`` (its gradient disables head skipping, which would drop its small parts).
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """``(dq, dk, dv, dbias, dsinks)`` in the compute dtype; ``dbias`` only for a bias tensor
+    when ``want_dbias`` (its gradient disables head skipping, which would drop its small
+    parts), ``dsinks`` when ``sinks`` are given.
+
+    A sink is a key with logit ``sink_h`` and value 0, so its weight ``exp(sink_h - lse)``
+    enters only through the row's log-sum-exp, and its gradient is
+    ``-sum_i exp(sink_h - lse_i) * D_i`` with ``D = rowsum(dO * O)``. With ``softcap`` the
+    score gradient is multiplied by ``1 - tanh^2``, recomputed from the capped logits.
 
     ``out`` is the output before non-finite values of ``v`` were turned into NaN, and
     ``grad_out`` is zero where they were: those entries carry no gradient, as in the
@@ -73,7 +80,8 @@ def backward(
         if want_dbias and spec.bias is not None:
             dbias = torch.zeros(spec.bias.shape, dtype=dtype, device=q.device)
         zeros = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
-        return (*zeros, dbias)  # type: ignore[return-value]
+        dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=dtype)
+        return (*zeros, dbias, dsinks)  # type: ignore[return-value]
     tiles = Tiles(spec, q, k)
     g, dtype, nb = tiles.g, tiles.dtype, tiles.nb
     q_c = flat(rows(q.to(dtype), g))  # (b * h_kv, i * g, d)
@@ -88,6 +96,8 @@ def backward(
     dbias = None
     if want_dbias and spec.bias is not None:
         dbias = torch.zeros(spec.bias.shape, dtype=dtype, device=q.device)
+    dsink_rows = None if sinks is None else torch.zeros_like(lse2)  # (b * h_kv, i * g)
+    cap = None if spec.softcap is None else spec.softcap * LOG2E
     for i0 in range(0, tiles.ni, spec.block_q):
         i1 = min(tiles.ni, i0 + spec.block_q)
         r0, r1 = i0 * g, i1 * g
@@ -97,6 +107,10 @@ def backward(
         delta = (do_blk * out_blk).sum(dim=-1, keepdim=True)  # D = rowsum(dO * O)
         # A NaN row (NaN lse) would spread NaN through blocked positions too: zero them there.
         nan_rows = bool(torch.isnan(lse_blk).any())
+        if dsink_rows is not None:  # d loss / d sink, per row: -exp2(sink2 - lse2) * D
+            sink = tiles.sink_rows(sinks, i0, i1)
+            weight = torch.exp2(sink - lse_blk) * delta.squeeze(-1)
+            dsink_rows[:, r0:r1] = tiles.queries(weight.unsqueeze(-1)).squeeze(-1)
         dq_blk = torch.zeros_like(q_blk) if tiles.reverse else dq[:, r0:r1]
         q_norm = q2_blk.norm(dim=-1) if spec.has_bias else None  # (b * h_kv, rows)
         for sel, declared in tiles.groups(i0, i1):
@@ -106,7 +120,7 @@ def backward(
             bias = tiles.bias(i0, i1, sel)
             k_t, k_tt, _, v_tt, _ = keys.get(sel)
             lo, hi = 0, tiles.hk  # the key heads to compute: all, unless some are negligible
-            if dbias is None and q_norm is not None and can_skip(allowed, bias, sel):
+            if dbias is None and q_norm is not None and can_skip(tiles, allowed, bias, sel):
                 assert keys.norm is not None and bias is not None
                 top = row_max(tiles, bias, i0, i1, sel)
                 lo, hi = needed(tiles, q_norm, keys.norm[:, sel], top, lse_blk)
@@ -116,9 +130,13 @@ def backward(
                 heads(t, nb, lo, hi) for t in (q_blk, q2_blk, do_blk, k_t, k_tt, v_tt)
             )  # the tensors themselves when all heads are computed
             s = tiles.logits(q2_h, k_th, allowed, head_tile(bias, lo, hi))
+            # d capped / d raw = 1 - tanh^2 (blocked positions: 0, whatever they hold)
+            slope = None if cap is None else s.div(cap).square_().neg_().add_(1.0).clamp_min_(0)
             p = exp2_shifted(s, heads(lse_blk, nb, lo, hi), tiles.flush_below, tiles.blocked)
             dp = bmm(do_h, v_th)  # (b * heads, rows, bj)
             ds = dp.sub_(heads(delta, nb, lo, hi)).mul_(p)  # d loss / d scores
+            if slope is not None:
+                ds.mul_(slope)
             if nan_rows and allowed is not None:
                 hidden = ~head_tile(allowed, lo, hi).expand_as(unflat(s, nb))
                 unflat(p, nb).masked_fill_(hidden, 0.0)
@@ -134,4 +152,8 @@ def backward(
     dk.mul_(spec.scale)
     if keys.bad is not None:
         dv.masked_fill_(keys.bad, 0.0)
-    return unrows(unflat(dq, nb), g), unflat(dk, nb), unflat(dv, nb), dbias
+    dsinks = None
+    if dsink_rows is not None:  # rows -> heads: sum over batch and queries, head kv * g + r % g
+        per_row = dsink_rows.view(nb, tiles.hk, tiles.ni, g)
+        dsinks = -per_row.sum(dim=(0, 2)).reshape(-1)  # (h,)
+    return unrows(unflat(dq, nb), g), unflat(dk, nb), unflat(dv, nb), dbias, dsinks

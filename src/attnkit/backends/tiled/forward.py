@@ -90,7 +90,7 @@ def _exact_block(
         bias = tiles.bias(i0, i1, sel)
         _, k_tt, v_t, _, _ = keys.get(sel)
         lo, hi = 0, tiles.hk  # the key heads to compute: all, unless some are negligible
-        if keys.bad is None and can_skip(allowed, bias, sel):  # skipping would hide them
+        if keys.bad is None and can_skip(tiles, allowed, bias, sel):  # skipping would hide them
             top = row_max(tiles, bias, i0, i1, sel)
             k_sel = k_norm[:, sel]
             lo, hi = needed(tiles, q_norm, k_sel, top, state.m)
@@ -115,15 +115,21 @@ def _exact_block(
     return state
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> tuple[Tensor, Tensor, Tensor | None]:
+def forward(
+    q: Tensor, k: Tensor, v: Tensor, spec: Spec, sinks: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """Output ``(b, h, i, dv)`` and natural log-sum-exp ``(b, h, i)`` in the compute dtype, and
     where the output must read NaN because a row sees a non-finite value (``(b, h, i, dv)``
-    bool, None when nowhere): the output itself reads those values as 0."""
+    bool, None when nowhere): the output itself reads those values as 0. ``sinks`` ``(h,)``
+    join every row's denominator (``softmax.finish``); the log-sum-exp includes them."""
     dv = v.shape[-1]
     if q.numel() == 0 or k.shape[2] == 0:  # nothing to attend: zeros, as the reference gives
         dtype = compute_dtype(q.dtype)
         out = q.new_zeros(*q.shape[:-1], dv, dtype=dtype)
-        return out, q.new_full(q.shape[:-1], blocked(dtype), dtype=dtype), None
+        lse = q.new_full(q.shape[:-1], blocked(dtype), dtype=dtype)
+        if sinks is not None and q.numel():  # only the sink in each denominator
+            lse = sinks.to(dtype).view(-1, 1).expand_as(lse).clone()
+        return out, lse, None
     tiles = Tiles(spec, q, k)
     g, dtype, nb = tiles.g, tiles.dtype, tiles.nb
     q_r = flat(rows(q.to(dtype), g))  # (b * h_kv, i * g, d)
@@ -142,7 +148,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> tuple[Tensor, Tensor
         q_blk = tiles.queries(q_r[:, r0:r1]) * (spec.scale * LOG2E)  # base-2 scale folded in
         reach = _Reach(tiles, keys)
         state = block(tiles, q_blk, keys, i0, i1, reach)
-        blk_out, blk_lse = finish(state, q_blk, dv, tiles.blocked)
+        sink = tiles.sink_rows(sinks, i0, i1)
+        blk_out, blk_lse = finish(state, q_blk, dv, tiles.blocked, sink)
         out[:, r0:r1] = tiles.queries(blk_out)
         lse[:, r0:r1] = tiles.queries(blk_lse)
         if poisoned is not None and reach.mask is not None:

@@ -31,9 +31,11 @@ def negligible_bits(dtype: torch.dtype) -> int:
     return mantissa + NEGLIGIBLE_MARGIN
 
 
-def can_skip(allowed: Tensor | None, bias: Tensor | None, sel: Sel) -> bool:
-    """Whether ``needed`` may drop slices of this tile: a bias, no mask, a contiguous tile."""
-    return bias is not None and allowed is None and isinstance(sel, slice)
+def can_skip(tiles: Tiles, allowed: Tensor | None, bias: Tensor | None, sel: Sel) -> bool:
+    """Whether ``needed`` may drop slices of this tile: a bias, no mask, a contiguous tile, and
+    no soft-capping (its bounds are not those of the raw logits)."""
+    uncapped = tiles.spec.softcap is None
+    return uncapped and bias is not None and allowed is None and isinstance(sel, slice)
 
 
 def row_max(tiles: Tiles, bias: Tensor, i0: int, i1: int, sel: slice) -> Tensor:

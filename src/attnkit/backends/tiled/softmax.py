@@ -149,18 +149,28 @@ def lazy_shift(state: State, s: Tensor, small: bool) -> Tensor | None:
     return state.m
 
 
-def finish(state: State, like: Tensor, dv: int, blocked: float) -> tuple[Tensor, Tensor]:
+def finish(
+    state: State, like: Tensor, dv: int, blocked: float, sink: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """``(output (n, rows, dv), lse (n, rows))`` of a finished state, ``lse`` in natural log.
 
     Rows without a visible key (and an empty state) give output 0 and ``lse = blocked``; so do
     rows whose scores were all ``-inf``. A NaN or ``+inf`` shift means a NaN or ``+inf`` score:
-    the row is NaN, as in the reference (its per-element weights may have been flushed)."""
+    the row is NaN, as in the reference (its per-element weights may have been flushed).
+
+    ``sink`` ``(n, rows)``: a base-2 logit per row that joins the denominator with no value
+    (attention sinks): one more key, added by the same rescaling rule."""
     state = state.filled(like, dv, blocked)
     assert state.l is not None and state.acc is not None
-    l = state.l.clamp_min(1e-30)
+    l, acc = state.l, state.acc
     m = torch.zeros_like(l) if state.m is None else state.m
+    if sink is not None:
+        m_new = torch.maximum(m, sink)
+        l, acc = rescaled(l, acc, m, m_new)
+        l, m = l + torch.exp2(sink - m_new), m_new
+    l = l.clamp_min(1e-30)
     seen = m > blocked  # rows with at least one visible key (False for NaN and -inf too)
-    out = torch.where(seen.unsqueeze(-1), state.acc / l.unsqueeze(-1), 0)
+    out = torch.where(seen.unsqueeze(-1), acc / l.unsqueeze(-1), 0)
     lse = torch.where(seen, (m + torch.log2(l)) * LN2, blocked)
     broken = torch.isnan(m) | torch.isposinf(m)
     if bool(broken.any()):

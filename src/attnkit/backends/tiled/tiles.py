@@ -46,6 +46,7 @@ class Spec:
     block_q: int = BLOCK_Q
     block_k: int = BLOCK_K
     gather: bool = False  # visit each query block's key ranges as one gathered group (sparse)
+    softcap: float | None = None  # scores become softcap * tanh(scores / softcap), natural units
 
     @property
     def has_bias(self) -> bool:
@@ -87,6 +88,15 @@ class Tiles:
                 spec.bias_fn, shape, spec.q_offset, spec.k_offset, self.dtype, device
             )
         self.reverse = self.relative is not None
+
+    def sink_rows(self, sinks: Tensor | None, i0: int, i1: int) -> Tensor | None:
+        """The base-2 sink logit of each row of query block ``[i0, i1)``: ``(b * h_kv, rows)``
+        (row ``r`` belongs to head ``kv * g + r % g``, whatever the query order)."""
+        if sinks is None:
+            return None
+        per_kv = sinks.to(self.dtype).view(self.hk, self.g) * LOG2E  # (h_kv, g)
+        rows = per_kv.repeat(1, i1 - i0)  # (h_kv, (i1 - i0) * g)
+        return rows.expand(self.nb, *rows.shape).reshape(self.nb * self.hk, -1)
 
     def queries(self, x: Tensor) -> Tensor:
         """A row-layout block ``(n, rows, ...)`` in this call's row order: reversed queries
@@ -204,13 +214,17 @@ class Tiles:
         ``allowed`` and ``bias`` as returned by ``allowed`` and ``bias``.
         """
         s = bmm(q2, k_tt)  # (b * h_kv, rows, bj)
-        if bias is None and allowed is None:
+        softcap = self.spec.softcap
+        if bias is None and allowed is None and softcap is None:
             return s
         s4 = unflat(s, self.nb)  # (b, h_kv, rows, bj), same memory
         if bias is not None and bias.dim() == 5:  # a relative view (1, h_kv, queries, g, bj)
             s4.view(*s4.shape[:2], -1, self.g, s4.shape[3]).add_(bias, alpha=LOG2E)
         elif bias is not None:
             s4.add_(bias, alpha=LOG2E)
+        if softcap is not None:  # logit soft-capping (Gemma 2), in base-2 units
+            cap = softcap * LOG2E
+            s.div_(cap).tanh_().mul_(cap)
         if allowed is not None:
             s4.masked_fill_(~allowed, self.blocked)
         return s
