@@ -3,11 +3,13 @@ never a partial file, and no temporary file is left behind (except, when the wri
 a hidden ``.<name>.*.tmp`` beside it, never under the real name).
 
 Oracles: the bytes written, read back; the directory listing before and after; a writer process
-killed in the middle of its write."""
+killed in the middle of its write; for permissions, what ``open()`` gives under the same umask."""
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -151,3 +153,47 @@ def test_a_write_into_a_missing_directory_fails_before_creating_anything(tmp_pat
     with pytest.raises(IsADirectoryError):
         atomic_write_text(tmp_path, "data")
     assert _names(tmp_path) == []
+
+
+@pytest.fixture
+def umask():
+    """``os.umask`` for one test; the process umask is restored after it."""
+    saved = os.umask(0o022)
+    yield os.umask
+    os.umask(saved)
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX permission bits")
+@pytest.mark.parametrize("mask", [0o022, 0o077, 0o002])
+def test_a_new_file_gets_the_permissions_open_gives(tmp_path: Path, umask, mask: int) -> None:
+    umask(mask)
+    with open(tmp_path / "by_open.txt", "w") as handle:  # the oracle: what open() does
+        handle.write("x")
+    atomic_write_text(tmp_path / "new.txt", "x")
+    atomic_write_bytes(tmp_path / "new.bin", b"x")
+    expected = 0o666 & ~mask
+    assert _mode(tmp_path / "by_open.txt") == expected
+    assert _mode(tmp_path / "new.txt") == expected
+    assert _mode(tmp_path / "new.bin") == expected
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX permission bits")
+@pytest.mark.parametrize("mask", [0o022, 0o077, 0o002])
+@pytest.mark.parametrize("mode", [0o640, 0o600, 0o664])
+def test_an_overwritten_file_keeps_its_mode_as_with_open(
+    tmp_path: Path, umask, mask: int, mode: int
+) -> None:
+    umask(mask)
+    for name in ("by_open.txt", "atomic.txt"):
+        (tmp_path / name).write_text("old", encoding="utf-8")
+        os.chmod(tmp_path / name, mode)
+    with open(tmp_path / "by_open.txt", "w") as handle:  # the oracle: open() on an existing file
+        handle.write("new")
+    atomic_write_text(tmp_path / "atomic.txt", "new")
+    assert _mode(tmp_path / "by_open.txt") == mode
+    assert _mode(tmp_path / "atomic.txt") == mode
+    assert (tmp_path / "atomic.txt").read_text(encoding="utf-8") == "new"
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)

@@ -1,10 +1,16 @@
-"""Atomic file writes: a file is either its old self or completely new, never half written."""
+"""Atomic file writes: a file is either its old self or completely new, never half written.
+
+Permissions follow ``open()``: a new file gets ``0o666`` minus the process umask (the kernel
+applies it, as for any ``open(path, "w")``), and a file that already exists keeps its permission
+bits (``open()`` on an existing file truncates it in place and so keeps its mode).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -30,12 +36,13 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "w", **kwargs: object)
     """Open a temporary file beside ``path``; on success it replaces ``path`` in one rename.
 
     If the block raises (or the process dies), ``path`` is untouched and the temporary file is
-    removed (or left as ``.<name>.*.tmp``, never under the real name).
+    removed (or left as ``.<name>.*.tmp``, never under the real name). The file's permissions are
+    those ``open(path, mode)`` would give (see the module docstring).
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open supports modes 'w' and 'wb', got {mode!r}")
     path = check_writable(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _create_temporary(path)
     try:
         with os.fdopen(fd, mode, **kwargs) as handle:  # type: ignore[call-overload]
             yield handle
@@ -46,6 +53,34 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "w", **kwargs: object)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _create_temporary(path: Path) -> tuple[int, str]:
+    """A new, empty ``.<name>.<random>.tmp`` beside ``path``, with ``open()``'s permissions.
+
+    ``tempfile.mkstemp`` would create it ``0o600`` whatever the umask; ``os.open`` with
+    ``0o666`` lets the kernel apply the umask, exactly as ``open()`` does for a new file.
+    """
+    try:
+        keep = stat.S_IMODE(os.stat(path).st_mode)  # an existing file keeps its mode
+    except FileNotFoundError:
+        keep = None
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    while True:
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:  # pragma: no cover - 48 random bits already taken
+            continue
+        break
+    if keep is not None:
+        try:
+            os.chmod(tmp, keep)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+    return fd, tmp
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
