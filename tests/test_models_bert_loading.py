@@ -1,10 +1,16 @@
 """The files of a Hugging Face BERT directory (models/bert_loading.py): the tokenizer against
 Hugging Face's, weights files (safetensors, ``pytorch_model.bin`` read with ``weights_only``),
-name translation (a ``bert.`` prefix, task heads) and errors that name every tensor."""
+name translation (a ``bert.`` prefix, task heads), errors that name every tensor, and a
+``config.json`` checked against the weights file before anything is allocated (under a memory
+limit and a time bound)."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -76,8 +82,10 @@ def test_shape_mismatch_is_reported_with_both_shapes(tiny_dir) -> None:
     state = hf_state(tiny_dir)
     state["encoder.layer.1.intermediate.dense.weight"] = torch.zeros(25, 16)
     save_file(state, str(tiny_dir / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"checkpoint \(25, 16\) vs model \(24, 16\)"):
+    with pytest.raises(ValueError, match=r"checkpoint \(25, 16\) vs config \(24, 16\)") as err:
         load_pretrained(tiny_dir)
+    assert "encoder.layer.1.intermediate.dense.weight" in str(err.value)
+    assert "model.safetensors" in str(err.value) and "intermediate_size" in str(err.value)
 
 
 def test_missing_and_unexpected_tensors_are_named(tiny_dir) -> None:
@@ -131,3 +139,81 @@ def test_task_heads_of_a_prefixed_checkpoint_are_reported(tiny_dir) -> None:
     torch.testing.assert_close(
         ours.model.embeddings.word.weight, state["bert.embeddings.word_embeddings.weight"]
     )
+
+
+# Runs in a fresh process whose address space is limited to what it uses after the imports plus
+# 1.5 GiB: building the model the config describes would need terabytes.
+_LOAD_UNDER_A_LIMIT = """
+import json, resource, sys, time
+from attnkit.models.bert_pretrained import load_pretrained
+with open("/proc/self/status") as f:
+    used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (used + 1536 * 2**20, resource.RLIM_INFINITY))
+started = time.perf_counter()
+try:
+    load_pretrained(sys.argv[1])
+    outcome = {"error": None}
+except Exception as exc:
+    outcome = {"error": type(exc).__name__, "message": str(exc)}
+outcome["seconds"] = time.perf_counter() - started
+print(json.dumps(outcome))
+"""
+
+
+def _big_config(directory: Path, path: Path, **changes: object) -> None:
+    """The bundled model's files, its config.json changed."""
+    config = json.loads((path / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **changes}))
+    (directory / "model.safetensors").symlink_to(path / "model.safetensors")
+    (directory / "tokenizer.json").symlink_to(path / "tokenizer.json")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmSize (Linux)")
+def test_an_oversized_config_is_refused_in_under_a_second_within_a_memory_limit(
+    tmp_path, path
+) -> None:
+    _big_config(tmp_path, path, num_hidden_layers=100_000)
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD_UNDER_A_LIMIT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert outcome["error"] == "ValueError", outcome
+    message = outcome["message"]
+    assert "model.safetensors" in message and "num_hidden_layers=100000" in message
+    assert "the weights hold 6 layer(s)" in message
+    assert "encoder.layer.6.attention.self.query.weight" in message
+    assert outcome["seconds"] < 1.0, outcome
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"hidden_size": 768}, r"embeddings\.word_embeddings\.weight: checkpoint \(30522, 384\) "
+         r"vs config \(30522, 768\) \(vocab_size, hidden_size\)"),
+        ({"vocab_size": 10**9}, r"checkpoint \(30522, 384\) vs config \(1000000000, 384\)"),
+        ({"intermediate_size": 10**6}, r"intermediate\.dense\.weight: checkpoint \(1536, 384\)"),
+        ({"num_hidden_layers": 3}, r"num_hidden_layers=3, but the weights hold 6 layer\(s\) "
+         r"\(encoder\.layer\.5\.\* is beyond it\)"),
+    ],
+)  # fmt: skip
+def test_config_sizes_the_weights_do_not_bear_out_are_refused(
+    tmp_path, path, changes: dict, expected: str
+) -> None:
+    _big_config(tmp_path, path, **changes)
+    with pytest.raises(ValueError, match=expected) as err:
+        load_pretrained(tmp_path, strict=False)  # sizes are checked even when not strict
+    assert str(tmp_path / "model.safetensors") in str(err.value)
+
+
+def test_a_size_no_tensor_confirms_is_refused(tiny_dir) -> None:
+    from safetensors.torch import save_file
+
+    state = hf_state(tiny_dir)
+    del state["embeddings.word_embeddings.weight"]  # nothing left to check vocab_size against
+    save_file(state, str(tiny_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"no tensor bears out .*config\.json'.s vocab_size=30522"):
+        load_pretrained(tiny_dir, strict=False)

@@ -7,6 +7,11 @@ and ``tokenizer.json`` (read by the ``tokenizers`` library; WordPiece is not re-
 Hugging Face names and attnkit names differ (``encoder.layer.3.attention.self.query.weight`` vs
 ``layers.3.attn...``); ``hf_state_dict_to_attnkit`` translates them, and ``load_bert_weights``
 reports every missing or unexpected tensor by name and every shape mismatch with both shapes.
+
+``config.json`` is not trusted to size the model: ``check_config_matches_weights`` compares it
+with the tensor names and shapes the weights file lists (``read_tensor_shapes`` reads only the
+safetensors header), before anything is allocated, so a config that claims 100,000 layers is
+refused in milliseconds instead of growing a model of gigabytes.
 Safetensors and tokenizers are imported inside the functions that need them (the ``bert`` extra).
 """
 
@@ -23,15 +28,19 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from attnkit.models.bert_config import BertConfig
+
 __all__ = [
     "IGNORED_HF_TENSORS",
     "TokenizedBatch",
     "WordPieceTokenizer",
+    "check_config_matches_weights",
     "find_weights_file",
     "hf_parameter_names",
     "hf_state_dict_to_attnkit",
     "load_bert_weights",
     "read_state_dict",
+    "read_tensor_shapes",
 ]
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -99,6 +108,127 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise ValueError(f"{str(path)!r} does not hold a dict of tensors (a state dict)")
     return state
+
+
+def read_tensor_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a weights file.
+
+    A ``.safetensors`` file is read through its header only (no tensor data); a ``.bin`` file
+    through ``read_state_dict`` (its tensors are as large as the file, never larger).
+    """
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        return {k: tuple(v.shape) for k, v in read_state_dict(path).items()}
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
+    try:
+        from safetensors import safe_open
+    except ImportError as err:  # pragma: no cover - the bert extra is installed in CI
+        raise ImportError(_extra_hint("safetensors")) from err
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}  # noqa: SIM118
+    except Exception as err:
+        raise ValueError(f"could not read safetensors file {str(path)!r}: {err}") from err
+
+
+def _expected_hf_shapes(
+    config: BertConfig, layers: int
+) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """HF name -> (the shape the config implies, the config fields that set it)."""
+    e, f = config.hidden_size, config.intermediate_size
+    hidden = ("hidden_size",)
+    out = {
+        "embeddings.word_embeddings.weight": ((config.vocab_size, e), ("vocab_size", *hidden)),
+        "embeddings.position_embeddings.weight": (
+            (config.max_position_embeddings, e),
+            ("max_position_embeddings", *hidden),
+        ),
+        "embeddings.token_type_embeddings.weight": (
+            (config.type_vocab_size, e),
+            ("type_vocab_size", *hidden),
+        ),
+        "embeddings.LayerNorm.weight": ((e,), hidden),
+        "embeddings.LayerNorm.bias": ((e,), hidden),
+        "pooler.dense.weight": ((e, e), hidden),
+        "pooler.dense.bias": ((e,), hidden),
+    }
+    for n in range(layers):
+        p = f"encoder.layer.{n}."
+        for part in ("self.query", "self.key", "self.value", "output.dense"):
+            out[f"{p}attention.{part}.weight"] = ((e, e), hidden)
+            out[f"{p}attention.{part}.bias"] = ((e,), hidden)
+        for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
+            out[f"{p}{norm}.weight"] = ((e,), hidden)
+            out[f"{p}{norm}.bias"] = ((e,), hidden)
+        out[f"{p}intermediate.dense.weight"] = ((f, e), ("intermediate_size", *hidden))
+        out[f"{p}intermediate.dense.bias"] = ((f,), ("intermediate_size",))
+        out[f"{p}output.dense.weight"] = ((e, f), ("intermediate_size", *hidden))
+        out[f"{p}output.dense.bias"] = ((e,), hidden)
+    return out
+
+
+_LAYER = re.compile(r"encoder\.layer\.(\d+)\.")
+_SIZES = (
+    "vocab_size",
+    "max_position_embeddings",
+    "type_vocab_size",
+    "hidden_size",
+    "intermediate_size",
+)
+
+
+def check_config_matches_weights(
+    config: BertConfig,
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    source: str,
+    config_source: str = "config.json",
+) -> None:
+    """Refuse a config that the weights file does not bear out, before anything is allocated.
+
+    ``shapes`` (name -> shape, from ``read_tensor_shapes``) must hold exactly the layers
+    ``0 .. num_hidden_layers - 1``; every tensor that the config sizes must have the shape the
+    config implies; and each size (vocabulary, positions, token types, hidden, feed-forward) must
+    be borne out by at least one tensor. Missing or unexpected tensors of an otherwise consistent
+    file are left to ``load_bert_weights`` (``strict=False`` relaxes those); sizes are always
+    checked. The work grows with the file's tensor count, never with the config's claims.
+    """
+    prefix = "bert." if any(k.startswith("bert.") for k in shapes) else ""
+    own = {k[len(prefix) :]: v for k, v in shapes.items() if k.startswith(prefix)}
+    layers = sorted({int(m.group(1)) for k in own if (m := _LAYER.match(k))})
+    n = config.num_hidden_layers
+    if layers != list(range(n)):
+        gap = next((k for k in range(n) if k not in layers), None)
+        why = (
+            f"there is no {prefix}encoder.layer.{gap}.attention.self.query.weight"
+            if gap is not None
+            else f"{prefix}encoder.layer.{layers[-1]}.* is beyond it"
+        )
+        raise ValueError(
+            f"{source}: {config_source} says num_hidden_layers={n}, but the weights hold "
+            f"{len(layers)} layer(s) ({why})"
+        )
+    expected = _expected_hf_shapes(config, n)
+    wrong = [
+        f"{prefix}{name}: checkpoint {own[name]} vs config {shape} ({', '.join(fields)})"
+        for name, (shape, fields) in expected.items()
+        if name in own and own[name] != shape
+    ]
+    if wrong:
+        more = f"; and {len(wrong) - 5} more" if len(wrong) > 5 else ""
+        raise ValueError(
+            f"{source}: tensor shapes do not match {config_source}: " + "; ".join(wrong[:5]) + more
+        )
+    confirmed = {field for name, (_, fields) in expected.items() if name in own for field in fields}
+    unconfirmed = [
+        f"{field}={getattr(config, field)}" for field in _SIZES if field not in confirmed
+    ]
+    if unconfirmed:
+        raise ValueError(
+            f"{source}: no tensor bears out {config_source}'s {', '.join(unconfirmed)} (the "
+            "tensors of that size are missing); refusing to build a model of unchecked size"
+        )
 
 
 # Hugging Face BERT name -> attnkit BertModel name. ``{n}`` is the layer index. The attention

@@ -22,9 +22,11 @@ from attnkit.models.bert import BertModel
 from attnkit.models.bert_config import BertConfig
 from attnkit.models.bert_loading import (
     WordPieceTokenizer,
+    check_config_matches_weights,
     check_model_dir,
     find_weights_file,
     read_state_dict,
+    read_tensor_shapes,
 )
 
 __all__ = ["BertEncoding", "PretrainedBert", "bundled_model_path", "load_pretrained"]
@@ -245,8 +247,10 @@ def load_pretrained(
         dtype: floating dtype of the parameters (float32 default; float64 for exact comparisons).
         backend: default attention backend of ``encode`` (``"auto"``: math when weights are
             wanted, else the fastest registered backend that can serve the call).
-        strict: missing or unexpected tensors raise (default) or only warn. Shape mismatches
-            always raise.
+        strict: missing or unexpected tensors raise (default) or only warn. Sizes always
+            raise: ``config.json`` is compared with the weights file's tensor names and shapes
+            (its header) before anything is allocated, so a config that does not fit the weights
+            (more layers, other sizes) is a ``ValueError`` naming the tensor and both shapes.
     """
     if not isinstance(dtype, torch.dtype) or dtype not in _FLOAT_DTYPES:
         raise TypeError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype!r}")
@@ -260,6 +264,12 @@ def load_pretrained(
     tokenizer_file = directory / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise FileNotFoundError(f"model directory {str(directory)!r} has no tokenizer.json")
+    check_config_matches_weights(
+        config,
+        read_tensor_shapes(weights),
+        source=repr(str(weights)),
+        config_source=repr(str(directory / "config.json")),
+    )
     state = read_state_dict(weights)
     model = BertModel.from_hf_state_dict(config, state, source=str(weights), strict=strict)
     model = model.to(dtype).eval()
