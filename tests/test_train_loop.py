@@ -1,15 +1,22 @@
-"""The training loop: schedule, learning on Iris, resume == uninterrupted, seams, checks."""
+"""The training loop: schedule, learning on Iris, resume == uninterrupted (also after a kill at
+every write step of a checkpoint), seams, checks, and resume errors that name the file."""
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
 
 from attnkit.models.classifiers import TabularAttentionClassifier, TabularConfig
 from attnkit.train import FitOptions, TrainConfig, evaluate, fit, lr_at
+from attnkit.train import loop as loop_module
+from attnkit.train.checkpoint import json_bytes, json_from_bytes
 from attnkit.train.data import load_iris_splits
+from attnkit.train.manifest import commit, open_checkpoint
+from killing import KILLED, run_killed_at
 
 SMALL = TabularConfig(d_model=16, num_heads=2, num_layers=1, dropout=0.1)
 QUIET = FitOptions(progress=False)
@@ -147,3 +154,96 @@ def test_parameter_groups_can_scale_the_schedule(iris):
     fit(model, train, val, TrainConfig(epochs=1, patience=0), options)
     assert torch.equal(model.head.weight, frozen_by_scale)  # lr 0 * schedule: untouched
     assert not torch.equal(model.feature_weight, _model(3).feature_weight)  # the rest learned
+
+
+def _contents(run_dir) -> dict[str, bytes]:
+    ckpt = open_checkpoint(run_dir)
+    return {name: ckpt.read_bytes(name) for name in ckpt.files}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="kills a forked writer")
+def test_a_kill_at_every_write_step_of_a_checkpoint_still_resumes_exactly(
+    iris, tmp_path, monkeypatch
+):
+    train, val, _ = iris
+    config = TrainConfig(epochs=3, lr=3e-3, patience=0, seed=7)
+    full = _model(5)
+    full_result = fit(full, train, val, config, QUIET)  # the uninterrupted run: the oracle
+    start = tmp_path / "epoch1"
+    fit(_model(5), train, val, config, FitOptions(start, progress=False, stop_after=1))
+    # What epoch 2's checkpoint commits, recorded from a real resumed run.
+    recorded = []
+    real_commit = loop_module.commit
+
+    def record(out, files, **kwargs):
+        recorded.append((files, kwargs))
+        return real_commit(out, files, **kwargs)
+
+    monkeypatch.setattr(loop_module, "commit", record)
+    epoch2 = tmp_path / "epoch2"
+    shutil.copytree(start, epoch2, symlinks=True)
+    fit(
+        _model(5), train, val, config, FitOptions(epoch2, resume=True, progress=False, stop_after=2)
+    )
+    monkeypatch.undo()
+    [(files, kwargs)] = recorded
+    before, after = _contents(start), _contents(epoch2)
+    assert before != after
+    step, outcomes = 0, set()
+    while True:
+        step += 1
+        run = tmp_path / f"killed-{step}"
+        shutil.copytree(start, run, symlinks=True)
+        code = run_killed_at(step, lambda run=run: commit(run, files, **kwargs))
+        assert code in (KILLED, 0), f"step {step}: the writer failed (exit {code})"
+        contents = _contents(run)
+        assert contents in (before, after), f"killed at step {step}: a mix of two checkpoints"
+        outcomes.add(contents == after)
+        torch.manual_seed(1234)  # the resumed process starts from an unrelated RNG state
+        resumed = _model(99)
+        result = fit(resumed, train, val, config, FitOptions(run, resume=True, progress=False))
+        assert [h["val_loss"] for h in result.history] == [
+            h["val_loss"] for h in full_result.history
+        ], f"killed at step {step}"
+        for (name, a), b in zip(
+            full.state_dict().items(), resumed.state_dict().values(), strict=True
+        ):
+            assert torch.equal(a, b), (step, name)
+        if code == 0:
+            break
+    assert outcomes == {False, True} and step > 10
+
+
+def test_resume_names_what_is_missing_or_damaged(iris, tmp_path):
+    train, val, _ = iris
+    config = TrainConfig(epochs=2, patience=0)
+
+    def resume(out, **kwargs):
+        return fit(
+            _model(), train, val, config, FitOptions(out, resume=True, progress=False, **kwargs)
+        )
+
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):  # never a silent restart
+        resume(tmp_path / "empty")
+    commit(tmp_path / "started", {"config.json": b"{}"})  # killed before its first epoch ended
+    with pytest.raises(ValueError, match=r"has no trainer_state\.json \(--resume needs it"):
+        resume(tmp_path / "started")
+    run = tmp_path / "run"
+    fit(_model(), train, val, config, FitOptions(run, progress=False, stop_after=1))
+    ckpt = open_checkpoint(run)
+    state = json_from_bytes(ckpt.read_bytes("trainer_state.json"), "state")
+    for key in ("param_groups", "epoch"):
+        damaged = {k: v for k, v in state.items() if k != key}
+        commit(run, {"trainer_state.json": json_bytes(damaged)})  # consistent SHA-256, no key
+        with pytest.raises(ValueError, match=rf"trainer_state\.json' lacks '{key}'"):
+            resume(run)
+    commit(run, {"trainer_state.json": json_bytes({**state, "param_groups": [{"lr": 1}]})})
+    with pytest.raises(ValueError, match=r"optimizer state does not fit this optimizer"):
+        resume(run)
+    commit(run, {"trainer_state.json": json_bytes(state)})
+    path = open_checkpoint(run).path("trainer_state.safetensors")
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10  # inside the last tensor: safetensors alone would load it
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"trainer_state\.safetensors' is damaged"):
+        resume(run)

@@ -21,14 +21,16 @@ from attnkit.distributed.ddp import current_env
 from attnkit.models.classifiers import TabularAttentionClassifier, TabularConfig, count_parameters
 from attnkit.tasks.parallel import fit_on_ranks
 from attnkit.train.checkpoint import (
+    CONFIG_FILE,
     FORMAT,
-    MODEL_FILE,
     load_model_weights,
+    require_keys,
     save_json,
     start_run,
 )
 from attnkit.train.data import IRIS_FEATURES, load_iris_splits
 from attnkit.train.loop import FitOptions, TrainConfig, evaluate
+from attnkit.train.manifest import open_checkpoint
 from attnkit.viz.heatmap import plot_grid, save_figure
 
 __all__ = [
@@ -236,8 +238,13 @@ def _metrics(model: torch.nn.Module, train: dict, val: dict, test: dict) -> dict
 
 def evaluate_iris(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
     """Accuracies of the checkpoint in ``directory`` on the split its ``config.json`` seeds."""
-    model_config = TabularConfig(**config["model"])
+    source = Path(directory) / CONFIG_FILE
+    require_keys(config, {"model": dict, "seed": int}, source)
+    try:
+        model_config = TabularConfig(**config["model"])
+    except TypeError as exc:  # an unknown or missing setting
+        raise ValueError(f"{str(source)!r}: 'model' does not fit TabularConfig ({exc})") from None
     model = TabularAttentionClassifier(model_config)
-    load_model_weights(model, directory / MODEL_FILE)
-    train, val, test = iris_datasets(int(config["seed"]))
+    load_model_weights(model, open_checkpoint(directory))
+    train, val, test = iris_datasets(config["seed"])
     return {**_metrics(model, train, val, test), "params": count_parameters(model)}

@@ -14,6 +14,7 @@ from typing import Any
 from attnkit.tasks.iris import evaluate_iris
 from attnkit.tasks.text import evaluate_text
 from attnkit.train.checkpoint import read_config, save_json
+from attnkit.train.manifest import open_checkpoint
 
 __all__ = ["TASKS", "evaluate_checkpoint", "format_table"]
 
@@ -27,7 +28,8 @@ def evaluate_checkpoint(directory: str | Path, *, write: bool = True) -> dict[st
     """Rebuild the model a checkpoint describes, load its weights, re-test it on its split.
 
     The split is rebuilt from the seed in ``config.json`` (splits are deterministic), so the
-    accuracies must equal those of the training run. ``write`` saves them as
+    accuracies must equal those of the training run. Every checkpoint file is checked against
+    its SHA-256 first: a changed byte is a ``ValueError`` naming the file. ``write`` saves them as
     ``evaluation.json`` beside the checkpoint.
     """
     directory = Path(directory)
@@ -37,6 +39,7 @@ def evaluate_checkpoint(directory: str | Path, *, write: bool = True) -> dict[st
     if task not in TASKS:
         known = " or ".join(TASKS)
         raise ValueError(f"{directory / 'config.json'}: unknown task {task!r} ({known})")
+    open_checkpoint(directory).verify()  # every file against its SHA-256, before the heavy work
     metrics = TASKS[task](directory, config)
     metrics.update(
         task=task,

@@ -35,15 +35,18 @@ from attnkit.models.classifiers import (
 )
 from attnkit.tasks.parallel import fit_on_ranks
 from attnkit.train.checkpoint import (
+    CONFIG_FILE,
     FORMAT,
-    MODEL_FILE,
-    load_json,
+    json_bytes,
+    json_from_bytes,
     load_model_weights,
+    require_keys,
     save_json,
     start_run,
 )
 from attnkit.train.data import RT_LABELS, TextData, Vocab, load_rotten_tomatoes
 from attnkit.train.loop import FitOptions, TrainConfig, default_optimizer, evaluate
+from attnkit.train.manifest import open_checkpoint
 from attnkit.viz.explorer import save_html
 from attnkit.viz.highlight import token_highlight_html
 
@@ -308,9 +311,8 @@ def train_text(
         "train": asdict(train_config),
     }
     env = current_env()  # several processes under torchrun: only rank 0 writes
-    start_run(out, run_config, resume=resume, writer=env.is_main)
-    if out is not None and env.is_main and vocab is not None:
-        save_json(out / VOCAB_FILE, vocab.words)
+    files = {VOCAB_FILE: json_bytes(vocab.words)} if vocab is not None else None
+    start_run(out, run_config, resume=resume, writer=env.is_main, files=files)
 
     base = baseline_tfidf(data) if run.baseline else None
     model = _build(variant, config, seed)
@@ -381,16 +383,35 @@ def _metrics(model: torch.nn.Module, train: dict, val: dict, test: dict) -> dict
 
 def evaluate_text(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
     """Accuracies of the checkpoint in ``directory`` on the split its ``config.json`` seeds."""
-    variant, seed, max_len = config["variant"], int(config["seed"]), int(config["max_len"])
-    data = load_rotten_tomatoes(seed).limited(config.get("limit_train"))
+    source = Path(directory) / CONFIG_FILE
+    keys = {
+        "variant": str,
+        "seed": int,
+        "max_len": int,
+        "model": dict,
+        "limit_train": (int, type(None)),
+    }
+    require_keys(config, keys, source)
+    variant, seed, max_len = config["variant"], config["seed"], config["max_len"]
+    if variant not in VARIANTS:
+        raise ValueError(f"{str(source)!r}: variant must be one of {VARIANTS}, got {variant!r}")
+    ckpt = open_checkpoint(directory)
+    data = load_rotten_tomatoes(seed).limited(config["limit_train"])
     if variant == "scratch":
-        words = load_json(directory / VOCAB_FILE)
+        ckpt.require(VOCAB_FILE, "the scratch model's word ids")
+        vocab_path = ckpt.path(VOCAB_FILE)
+        words = json_from_bytes(ckpt.read_bytes(VOCAB_FILE), vocab_path)
         if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-            raise ValueError(f"{directory / VOCAB_FILE}: expected a JSON list of words")
+            raise ValueError(f"{str(vocab_path)!r}: expected a JSON list of words")
         sets = scratch_datasets(data, Vocab(words), max_len)
     else:
         sets = _bert_sets(data, _tokenizer(), max_len)
         sets[0] = {k: v[:TRAIN_EVAL] for k, v in sets[0].items()}  # as in train_text
-    model = _build(variant, config["model"], seed)
-    load_model_weights(model, directory / MODEL_FILE)
+    try:
+        model = _build(variant, config["model"], seed)
+    except TypeError as exc:  # an unknown or missing setting
+        raise ValueError(
+            f"{str(source)!r}: 'model' does not fit the {variant} model ({exc})"
+        ) from None
+    load_model_weights(model, ckpt)
     return {**_metrics(model, *sets), "params": count_parameters(model)}

@@ -11,7 +11,8 @@ dict of tensors with a ``"labels"`` entry (every tensor has the examples on dim 
 - a checkpoint after every epoch (``FitOptions.out_dir``): the best weights as
   ``model.safetensors``, and everything needed to continue (current weights, optimizer moments,
   the global RNG state, step, epoch, history, best score) as ``trainer_state.safetensors`` +
-  ``trainer_state.json``.
+  ``trainer_state.json``; the three are committed as one unit (``attnkit.train.manifest``), so a
+  run killed at any moment resumes from the previous epoch or from the new one, never a mix.
 
 Why a resumed run equals an uninterrupted one: the shuffling order of epoch ``e`` is a pure
 function of ``(seed, e)``, the learning rate a pure function of the step, dropout draws from the
@@ -44,11 +45,15 @@ from torch import Tensor, nn
 
 from attnkit.train.checkpoint import (
     MODEL_FILE,
-    load_json,
-    load_tensors,
-    save_json,
-    save_tensors,
+    STATE_JSON,
+    STATE_TENSORS,
+    json_bytes,
+    json_from_bytes,
+    require_keys,
+    tensors_bytes,
+    tensors_from_bytes,
 )
+from attnkit.train.manifest import commit, open_checkpoint
 
 __all__ = [
     "Dataset",
@@ -64,8 +69,6 @@ __all__ = [
 ]
 
 Dataset = dict[str, Tensor]  # {"labels": (n,), other model inputs: (n, ...)}
-STATE_JSON = "trainer_state.json"
-STATE_TENSORS = "trainer_state.safetensors"
 SCHEDULES = ("cosine", "linear", "constant")
 
 
@@ -200,8 +203,15 @@ def default_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Opti
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.999))
 
 
-def _save_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
-    """Write the resumable state: tensors first, then the JSON naming the epoch they belong to."""
+def _save_state(
+    out: Path,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    state: dict,
+    best_weights: dict[str, Tensor] | None,
+) -> None:
+    """Commit the epoch as one checkpoint: the resumable state and, when the epoch improved,
+    ``best_weights`` (else the previous checkpoint's ``model.safetensors`` is carried over)."""
     sd = opt.state_dict()
     tensors = {f"model.{k}": v for k, v in _unwrap(model).state_dict().items()}
     tensors["rng.torch"] = torch.get_rng_state()
@@ -210,32 +220,84 @@ def _save_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer, state: 
             if not torch.is_tensor(value):
                 raise TypeError(f"optimizer state {name!r} is not a tensor; cannot checkpoint it")
             tensors[f"optimizer.{pid}.{name}"] = value
-    save_tensors(out / STATE_TENSORS, tensors, metadata={"epoch": str(state["epoch"])})
-    save_json(out / STATE_JSON, {**state, "param_groups": sd["param_groups"]})
+    files = {
+        STATE_TENSORS: tensors_bytes(tensors, metadata={"epoch": str(state["epoch"])}),
+        STATE_JSON: json_bytes({**state, "param_groups": sd["param_groups"]}),
+    }
+    if best_weights is not None:
+        files[MODEL_FILE] = tensors_bytes(best_weights)
+    commit(out, files)  # carries over the run's other files (config.json, vocab.json)
 
 
-def _load_state(out: Path, model: nn.Module, opt: torch.optim.Optimizer) -> dict:
-    state = load_json(out / STATE_JSON)
-    tensors, meta = load_tensors(out / STATE_TENSORS)
-    if meta.get("epoch") != str(state.get("epoch")):
+# What trainer_state.json must hold, and of which JSON type.
+_STATE_KEYS: dict[str, type | tuple[type, ...]] = {
+    "epoch": int,
+    "step": int,
+    "best_score": (list, type(None)),
+    "best_epoch": int,
+    "bad_epochs": int,
+    "stopped_early": bool,
+    "seconds": (int, float),
+    "history": list,
+    "config": dict,
+    "param_groups": list,
+}
+
+
+def _load_state(
+    out: Path, model: nn.Module, opt: torch.optim.Optimizer, config: TrainConfig
+) -> tuple[dict, dict[str, Tensor] | None]:
+    """The saved state (checked against ``config`` before anything is loaded), loaded into
+    ``model``, ``opt`` and the global RNG; returns it with the best weights (``None``: none yet).
+    """
+    ckpt = open_checkpoint(out)
+    ckpt.require(STATE_JSON, "--resume")
+    ckpt.require(STATE_TENSORS, "--resume")
+    json_path, tensors_path = ckpt.path(STATE_JSON), ckpt.path(STATE_TENSORS)
+    state = require_keys(
+        json_from_bytes(ckpt.read_bytes(STATE_JSON), json_path), _STATE_KEYS, json_path
+    )
+    if state["config"] != asdict(config):
         raise ValueError(
-            f"{out}: {STATE_TENSORS} (epoch {meta.get('epoch')}) and {STATE_JSON} "
-            f"(epoch {state.get('epoch')}) disagree; the run was cut while saving, restart it"
+            f"{out}: --resume with a different training configuration "
+            f"(saved {state['config']}, now {asdict(config)})"
         )
+    tensors, meta = tensors_from_bytes(ckpt.read_bytes(STATE_TENSORS), tensors_path)
+    if meta.get("epoch") != str(state["epoch"]):
+        raise ValueError(
+            f"{str(tensors_path)!r} (epoch {meta.get('epoch')}) and {STATE_JSON} "
+            f"(epoch {state['epoch']}) disagree; the checkpoint is damaged, train again"
+        )
+    if "rng.torch" not in tensors:
+        raise ValueError(f"{str(tensors_path)!r} lacks 'rng.torch' (the saved RNG state)")
     weights = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
     try:
         _unwrap(model).load_state_dict(weights, strict=True)
     except RuntimeError as exc:
         first = str(exc).splitlines()[0]
-        raise ValueError(f"{out}: saved weights do not fit this model ({first})") from None
+        raise ValueError(
+            f"{str(tensors_path)!r}: saved weights do not fit this model ({first})"
+        ) from None
     opt_state: dict[int, dict[str, Tensor]] = {}
     for key, value in tensors.items():
         if key.startswith("optimizer."):
             _, pid, name = key.split(".", 2)
+            if not pid.isdigit():
+                raise ValueError(f"{str(tensors_path)!r}: bad optimizer tensor name {key!r}")
             opt_state.setdefault(int(pid), {})[name] = value
-    opt.load_state_dict({"state": opt_state, "param_groups": state.pop("param_groups")})
+    try:
+        opt.load_state_dict({"state": opt_state, "param_groups": state.pop("param_groups")})
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(
+            f"{str(json_path)!r}: the saved optimizer state does not fit this optimizer "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     torch.set_rng_state(tensors["rng.torch"])
-    return state
+    best = None
+    if state["best_epoch"] > 0:
+        ckpt.require(MODEL_FILE, "--resume")
+        best, _ = tensors_from_bytes(ckpt.read_bytes(MODEL_FILE), ckpt.path(MODEL_FILE))
+    return state, best
 
 
 @dataclass(frozen=True)
@@ -245,7 +307,8 @@ class FitOptions:
     Attributes:
         out_dir: checkpoint directory, written after every epoch when ``is_writer``; ``None``
             writes nothing.
-        resume: continue from ``out_dir``'s trainer state if there is one (else start fresh).
+        resume: continue from ``out_dir``'s checkpoint; it must hold a trainer state (a
+            ``ValueError`` naming what is missing otherwise, never a silent fresh start).
         progress: show a progress bar; ``None`` means "if stderr is a terminal".
         stop_after: stop (as if interrupted) after this many epochs in total, for tests and demos
             of ``resume``; ``None`` runs them all. The schedule still spans ``config.epochs``.
@@ -302,15 +365,9 @@ def fit(
         "config": asdict(config),
     }
     best_weights = {k: v.detach().clone() for k, v in _unwrap(model).state_dict().items()}
-    if options.resume and out is not None and (out / STATE_JSON).exists():
-        state = _load_state(out, model, opt)
-        if state.get("config") != asdict(config):
-            raise ValueError(
-                f"{out}: --resume with a different training configuration "
-                f"(saved {state.get('config')}, now {asdict(config)})"
-            )
-        if state["best_epoch"] > 0:
-            best, _ = load_tensors(out / MODEL_FILE)
+    if options.resume and out is not None:
+        state, best = _load_state(out, model, opt, config)
+        if best is not None:
             best_weights = best
 
     from tqdm.auto import tqdm  # lazy: the `train` extra
@@ -369,9 +426,7 @@ def fit(
         state["seconds"] += time.perf_counter() - started
         bar.set_postfix(epoch=epoch + 1, loss=f"{loss_sum / seen:.3f}", val_acc=f"{val_acc:.3f}")
         if out is not None and is_writer:
-            if improved:
-                save_tensors(out / MODEL_FILE, best_weights)
-            _save_state(out, model, opt, state)
+            _save_state(out, model, opt, state, best_weights if improved else None)
     bar.close()
     _unwrap(model).load_state_dict(best_weights)
     return FitResult(
