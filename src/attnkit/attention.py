@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnkit._numerics import no_autocast, to_autocast
 from attnkit.functional import scaled_dot_product_attention
 from attnkit.masks import BiasFn, MaskFn
 
@@ -363,9 +364,11 @@ class MultiHeadAttention(nn.Module):
             k, v = cache.append(k, v)  # (b, h_kv, offset + j, d)
         assert k is not None and v is not None
 
-        out, weights = self._attend(
-            q, k, v, mask=mask, is_causal=is_causal, need_weights=need_weights, bias=bias
-        )
+        q, k, v = to_autocast(q, k, v)  # attention's autocast policy, for every subclass too
+        with no_autocast(q.device):
+            out, weights = self._attend(
+                q, k, v, mask=mask, is_causal=is_causal, need_weights=need_weights, bias=bias
+            )
         out = out.transpose(1, 2).reshape(b, i, self.embed_dim)  # (b, i, h * d)
         return self.out_proj(out), weights
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit._numerics import compute_dtype, no_autocast, to_autocast
+from attnkit._numerics import compute_dtype
 from attnkit.attention import MultiHeadAttention
 from attnkit.functional import scaled_dot_product_attention
 from attnkit.masks import BiasFn, MaskFn, causal_offset, declare, materialize
@@ -139,12 +139,31 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """``cos`` and ``sin`` of the angles for positions ``offset ..``, each ``(n, d)``."""
         _check_offset(offset)
+        return self.cos_sin_at(torch.arange(offset, offset + n), device=device)
+
+    def cos_sin_at(
+        self, positions: Tensor, *, device: torch.device | str | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """``cos`` and ``sin`` for integer positions of any shape ``(..., n)``, each ``(..., n, d)``.
+
+        Rows of a left-padded batch start at different positions: pass them as ``(b, 1, n)``
+        and rotate ``(b, h, n, d)`` with ``apply``.
+        """
         half = self.head_dim // 2
         inv_freq = self.base ** (-torch.arange(half, dtype=torch.float64) / half)  # (d/2,)
-        p = torch.arange(offset, offset + n, dtype=torch.float64)
-        angle = torch.outer(p, inv_freq)  # (n, d/2)
-        angle = torch.cat([angle, angle], dim=-1)  # (n, d): pair k with k + d/2
+        p = positions.to(device="cpu", dtype=torch.float64).unsqueeze(-1)  # (..., n, 1)
+        angle = p * inv_freq  # (..., n, d/2)
+        angle = torch.cat([angle, angle], dim=-1)  # (..., n, d): pair k with k + d/2
         return angle.cos().to(device), angle.sin().to(device)
+
+    @staticmethod
+    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotate ``x (..., n, d)`` by angles given as ``cos``/``sin`` broadcastable to it."""
+        dtype = compute_dtype(x.dtype)
+        xf = x.to(dtype)
+        x1, x2 = xf.chunk(2, dim=-1)  # (..., n, d/2) each
+        rotated_half = torch.cat([-x2, x1], dim=-1)  # (..., n, d)
+        return (xf * cos.to(dtype) + rotated_half * sin.to(dtype)).to(x.dtype)
 
     def rotate(self, x: Tensor, offset: int = 0) -> Tensor:
         """Rotate ``x`` of shape ``(..., n, d)`` at positions ``offset .. offset + n - 1``."""
@@ -153,11 +172,7 @@ class RotaryEmbedding(nn.Module):
                 f"RoPE was built for head_dim={self.head_dim}, got x of shape {tuple(x.shape)}"
             )
         cos, sin = self.cos_sin(x.shape[-2], offset, device=x.device)
-        dtype = compute_dtype(x.dtype)
-        xf = x.to(dtype)
-        x1, x2 = xf.chunk(2, dim=-1)  # (..., n, d/2) each
-        rotated_half = torch.cat([-x2, x1], dim=-1)  # (..., n, d)
-        return (xf * cos.to(dtype) + rotated_half * sin.to(dtype)).to(x.dtype)
+        return self.apply(x, cos, sin)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         return self.rotate(x, offset)
@@ -303,20 +318,6 @@ class RelativePositionAttention(MultiHeadAttention):
         k: Tensor,
         v: Tensor,
         *,
-        mask: Tensor | MaskFn | None,
-        is_causal: bool,
-        need_weights: bool,
-        bias: Tensor | BiasFn | None,
-    ) -> tuple[Tensor, Tensor | None]:
-        q, k, v = to_autocast(q, k, v)  # attention's autocast policy (attnkit._numerics)
-        with no_autocast(q.device):
-            return self._relative(q, k, v, mask, is_causal, need_weights, bias)
-
-    def _relative(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
         mask: Tensor | MaskFn | None,
         is_causal: bool,
         need_weights: bool,
