@@ -144,7 +144,7 @@ class RotaryEmbedding(nn.Module):
     def cos_sin_at(
         self, positions: Tensor, *, device: torch.device | str | None = None
     ) -> tuple[Tensor, Tensor]:
-        """``cos`` and ``sin`` for integer positions of any shape ``(..., n)``, each ``(..., n, d)``.
+        """``cos`` and ``sin`` ``(..., n, d)`` for integer positions of any shape ``(..., n)``.
 
         Rows of a left-padded batch start at different positions: pass them as ``(b, 1, n)``
         and rotate ``(b, h, n, d)`` with ``apply``.
