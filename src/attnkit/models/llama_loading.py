@@ -1,0 +1,336 @@
+"""Reading Llama checkpoints: GGUF files (llama.cpp's format) and Hugging Face directories.
+
+Shape vocabulary: ``e`` embed_dim, ``h`` query heads, ``h_kv`` key/value heads, ``d`` head
+width, ``V`` vocabulary, ``f`` feed-forward width.
+
+Both readers do the same three things, in this order, so a bad file fails before any tensor is
+allocated:
+
+1. read the configuration (GGUF metadata or ``config.json``) and refuse other architectures by
+   name;
+2. compare every tensor's name and shape (from the GGUF tensor table or the safetensors header)
+   with what ``LlamaModel`` expects, and list every difference;
+3. only then read the tensors: de-quantise GGUF blocks with the ``gguf`` package, undo
+   llama.cpp's query/key row permutation (``unpermute_qk``), and stack ``[q; k; v]`` into
+   ``MultiHeadAttention.in_proj``.
+
+The GGUF names (``token_embd``, ``blk.N.attn_q``, ...) and their attnkit parameters::
+
+    token_embd.weight        (V, e)       embed.weight
+    blk.N.attn_norm.weight   (e,)         blocks.N.attn_norm.weight
+    blk.N.attn_q/k/v.weight  (h*d, e)...  blocks.N.attn.in_proj.weight   rows [q; k; v]
+    blk.N.attn_output.weight (e, e)       blocks.N.attn.out_proj.weight
+    blk.N.ffn_norm.weight    (e,)         blocks.N.ffn_norm.weight
+    blk.N.ffn_gate/up.weight (f, e)       blocks.N.ffn.gate.weight / ffn.up.weight
+    blk.N.ffn_down.weight    (e, f)       blocks.N.ffn.down.weight
+    output_norm.weight       (e,)         norm.weight
+    output.weight            (V, e)       lm_head.weight (absent: tied to token_embd)
+
+GGUF lists a tensor's dimensions innermost first (``[e, V]`` for the embedding); the shapes above
+are torch's order, which is the GGUF list reversed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from attnkit.models.bert_loading import read_state_dict, read_tensor_shapes
+from attnkit.models.llama_config import LlamaConfig
+
+__all__ = [
+    "CheckpointError",
+    "LlamaCheckpoint",
+    "expected_shapes",
+    "permute_qk",
+    "read_checkpoint",
+    "unpermute_qk",
+]
+
+GGUF_MAGIC = b"GGUF"
+
+# GGUF tensor name (per layer: "blk.{n}." + suffix) -> attnkit parameter (per layer: "blocks.{n}.").
+_LAYER_GGUF = {
+    "attn_norm.weight": "attn_norm.weight",
+    "attn_output.weight": "attn.out_proj.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "ffn_gate.weight": "ffn.gate.weight",
+    "ffn_up.weight": "ffn.up.weight",
+    "ffn_down.weight": "ffn.down.weight",
+}
+_LAYER_HF = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.o_proj.weight": "attn.out_proj.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn.gate.weight",
+    "mlp.up_proj.weight": "ffn.up.weight",
+    "mlp.down_proj.weight": "ffn.down.weight",
+}
+_QKV_GGUF = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
+_QKV_HF = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_TOP_GGUF = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight"}
+_TOP_HF = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be a Llama model attnkit reads: another architecture, missing or
+    misshapen tensors, an unsupported quantisation, or a truncated or corrupt file."""
+
+
+def _need(package: str) -> ImportError:
+    return ImportError(f"{package} is needed to read Llama checkpoints; install attnkit[llm]")
+
+
+def permute_qk(w: Tensor | np.ndarray, heads: int) -> Tensor | np.ndarray:
+    """What llama.cpp's converter (``convert_hf_to_gguf.py``, ``LlamaModel.permute``) does to the
+    rows of ``q_proj``/``k_proj``: within each head, row ``s * d/2 + k`` (half ``s`` of the
+    "rotate half" RoPE pairing used by Hugging Face and attnkit) moves to row ``2k + s``, so the
+    pair ``(k, k + d/2)`` becomes the adjacent pair ``(2k, 2k + 1)`` that llama.cpp's RoPE
+    rotates. ``heads`` is ``h`` for queries and ``h_kv`` for keys."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: Tensor | np.ndarray, heads: int) -> Tensor | np.ndarray:
+    """The inverse of ``permute_qk``: GGUF rows ``2k + s`` back to ``s * d/2 + k`` in each head."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """attnkit parameter name -> shape for ``LlamaModel(config)`` (also its ``state_dict``)."""
+    c = config
+    e, f, kv = c.embed_dim, c.ffn_dim, c.num_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (c.vocab_size, e)}
+    for n in range(c.num_layers):
+        p = f"blocks.{n}."
+        shapes[p + "attn_norm.weight"] = (e,)
+        shapes[p + "attn.in_proj.weight"] = (e + 2 * kv, e)
+        shapes[p + "attn.out_proj.weight"] = (e, e)
+        shapes[p + "ffn_norm.weight"] = (e,)
+        shapes[p + "ffn.gate.weight"] = (f, e)
+        shapes[p + "ffn.up.weight"] = (f, e)
+        shapes[p + "ffn.down.weight"] = (e, f)
+    shapes["norm.weight"] = (e,)
+    if not c.tie_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, e)
+    return shapes
+
+
+@dataclass
+class LlamaCheckpoint:
+    """A checked checkpoint whose tensors are not read yet.
+
+    ``config``; ``tokenizer``: what the tokenizer is built from (GGUF metadata, or the files of a
+    Hugging Face directory, see ``attnkit.models.llama_tokenizer``); ``path``; ``read`` gives the
+    attnkit ``state_dict`` as float32 tensors (call it once).
+    """
+
+    config: LlamaConfig
+    tokenizer: dict[str, Any]
+    path: Path
+    read: Callable[[], dict[str, Tensor]] = field(repr=False)
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> LlamaCheckpoint:
+    """Open a ``.gguf`` file or a Hugging Face directory (``config.json`` + safetensors)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    if path.is_dir():
+        return _read_hf_dir(path)
+    return _read_gguf(path)
+
+
+# --- GGUF -----------------------------------------------------------------------------------
+
+
+def _read_gguf(path: Path) -> LlamaCheckpoint:
+    try:
+        from gguf import GGMLQuantizationType, GGUFReader
+        from gguf.quants import dequantize
+    except ImportError as err:  # pragma: no cover - the llm extra is installed in CI
+        raise _need("gguf") from err
+    with path.open("rb") as handle:
+        if handle.read(4) != GGUF_MAGIC:
+            raise CheckpointError(f"{str(path)!r} is not a GGUF file (no GGUF magic bytes)")
+    try:
+        reader = GGUFReader(path, "r")
+    except (ValueError, IndexError, KeyError, OverflowError) as err:
+        # gguf views the tensor table and data through numpy; a file cut short shows up as an
+        # array that cannot take its declared shape.
+        raise CheckpointError(
+            f"{str(path)!r} is truncated or corrupt: the gguf reader failed with {err}"
+        ) from err
+    meta = _gguf_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(
+            f"{str(path)!r} holds a {arch!r} model; attnkit reads only the 'llama' architecture"
+        )
+    infos = {t.name: t for t in reader.tensors}
+    config = LlamaConfig.from_gguf_metadata(meta, tie_embeddings="output.weight" not in infos)
+
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise CheckpointError(
+                f"{str(path)!r} is truncated: tensor {t.name!r} ends at byte "
+                f"{t.data_offset + t.n_bytes:,} of a {size:,}-byte file"
+            )
+    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_dequantizable()}
+    bad_types = sorted(
+        f"{t.name} ({t.tensor_type.name})" for t in reader.tensors if t.tensor_type not in readable
+    )
+    if bad_types:
+        raise CheckpointError(f"unsupported tensor types in {str(path)!r}: {bad_types[:5]}")
+    groups = _gguf_groups(config)
+    file_shapes = {name: tuple(int(x) for x in reversed(t.shape)) for name, t in infos.items()}
+    _check_shapes(path, config, groups, file_shapes)
+
+    def array(name: str) -> np.ndarray:
+        t = infos[name]
+        shape = tuple(int(x) for x in reversed(t.shape))
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            return np.array(t.data, dtype=np.float32).reshape(shape)  # a copy: data is mmapped
+        return dequantize(t.data, t.tensor_type).reshape(shape)
+
+    def read() -> dict[str, Tensor]:
+        state = {}
+        for target, sources in groups.items():
+            parts = []
+            for name in sources:
+                w = array(name)
+                if name.endswith(("attn_q.weight", "attn_k.weight")):
+                    heads = config.num_heads if "attn_q" in name else config.num_kv_heads
+                    w = unpermute_qk(w, heads)
+                parts.append(torch.from_numpy(np.ascontiguousarray(w)))
+            state[target] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return state
+
+    return LlamaCheckpoint(config, {"format": "gguf", "metadata": meta}, path, read)
+
+
+def _dequantizable() -> Iterable[Any]:
+    from gguf import quants
+
+    return quants._type_traits.keys()  # the block formats gguf's numpy code de-quantises
+
+
+def _gguf_metadata(reader: Any) -> dict[str, Any]:
+    meta = {}
+    for key, value in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = value.contents()
+        except Exception as err:
+            raise CheckpointError(f"unreadable GGUF metadata {key!r}: {err}") from err
+    return meta
+
+
+def _gguf_groups(config: LlamaConfig) -> dict[str, list[str]]:
+    """attnkit name -> the GGUF tensors it is made of (in order)."""
+    groups = {target: [name] for name, target in _TOP_GGUF.items()}
+    for n in range(config.num_layers):
+        groups[f"blocks.{n}.attn.in_proj.weight"] = [f"blk.{n}.{s}" for s in _QKV_GGUF]
+        for suffix, target in _LAYER_GGUF.items():
+            groups[f"blocks.{n}.{target}"] = [f"blk.{n}.{suffix}"]
+    if not config.tie_embeddings:
+        groups["lm_head.weight"] = ["output.weight"]
+    return groups
+
+
+# --- Hugging Face directory -----------------------------------------------------------------
+
+
+def _read_hf_dir(path: Path) -> LlamaCheckpoint:
+    config_file = path / "config.json"
+    weights = path / "model.safetensors"
+    for needed in (config_file, weights):
+        if not needed.is_file():
+            raise FileNotFoundError(f"model directory {str(path)!r} has no {needed.name}")
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{str(config_file)!r} is not valid JSON: {err}") from err
+    if raw.get("model_type") != "llama":
+        raise CheckpointError(
+            f"{str(path)!r} holds a {raw.get('model_type')!r} model; attnkit reads only 'llama'"
+        )
+    shapes = read_tensor_shapes(weights)
+    raw = dict(raw)
+    raw.setdefault("tie_word_embeddings", "lm_head.weight" not in shapes)
+    config = LlamaConfig.from_hf(raw)
+    groups = {target: [name] for name, target in _TOP_HF.items()}
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}."
+        groups[f"blocks.{n}.attn.in_proj.weight"] = [p + s for s in _QKV_HF]
+        for suffix, target in _LAYER_HF.items():
+            groups[f"blocks.{n}.{target}"] = [p + suffix]
+    if not config.tie_embeddings:
+        groups["lm_head.weight"] = ["lm_head.weight"]
+    # A tied checkpoint may still store lm_head.weight (a copy of the embedding); it is unused.
+    file_shapes = {
+        k: v for k, v in shapes.items() if not (config.tie_embeddings and k == "lm_head.weight")
+    }
+    _check_shapes(path, config, groups, file_shapes)
+
+    def read() -> dict[str, Tensor]:
+        tensors = read_state_dict(weights)
+        return {
+            target: torch.cat([tensors[s].float() for s in sources])
+            if len(sources) > 1
+            else tensors[sources[0]].float()
+            for target, sources in groups.items()
+        }
+
+    return LlamaCheckpoint(config, {"format": "hf", "directory": path}, path, read)
+
+
+# --- checks ---------------------------------------------------------------------------------
+
+
+def _check_shapes(
+    path: Path,
+    config: LlamaConfig,
+    groups: dict[str, list[str]],
+    file_shapes: dict[str, tuple[int, ...]],
+) -> None:
+    """Every tensor the model needs is in the file with the right shape, and nothing else is."""
+    want = expected_shapes(config)
+    problems = []
+    used = set()
+    for target, sources in groups.items():
+        missing = [s for s in sources if s not in file_shapes]
+        if missing:
+            problems.append(f"missing {', '.join(missing)}")
+            continue
+        used.update(sources)
+        rows = sum(file_shapes[s][0] for s in sources)
+        got = (rows, *file_shapes[sources[0]][1:])
+        if (
+            any(file_shapes[s][1:] != file_shapes[sources[0]][1:] for s in sources)
+            or got != want[target]
+        ):
+            described = " + ".join(f"{s} {file_shapes[s]}" for s in sources)
+            problems.append(f"{described} != {target} {want[target]}")
+    unexpected = sorted(set(file_shapes) - used)
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected[:5]}")
+    if problems:
+        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        raise CheckpointError(
+            f"{str(path)!r} does not match a Llama model with {config.num_layers} layers, width "
+            f"{config.embed_dim}, {config.num_heads}/{config.num_kv_heads} heads: "
+            + "; ".join(problems[:8])
+            + more
+        )

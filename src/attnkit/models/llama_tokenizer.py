@@ -1,0 +1,240 @@
+"""The tokenizer and chat template of a Llama checkpoint, built with the ``tokenizers`` library.
+
+A GGUF file has no ``tokenizer.json``: it stores the vocabulary (``tokenizer.ggml.tokens``), each
+token's type (``tokenizer.ggml.token_type``: 1 normal, 3 control, 4 user-defined, 6 byte), the
+BPE merges (``tokenizer.ggml.merges``, ``"a b"`` strings, best first), the special ids and the
+chat template (a Jinja template, ``tokenizer.chat_template``). For a byte-level BPE vocabulary
+(``tokenizer.ggml.model == "gpt2"``, as SmolLM2's) that is exactly what ``tokenizers.models.BPE``
+takes, with GPT-2's byte-level pre-tokenizer and decoder (Radford et al. 2019, section 2.2:
+bytes mapped to printable characters, text split by GPT-2's regex before merging). Control
+tokens (``<|im_start|>``, ``<|im_end|>``, ...) are added as special tokens so they are matched
+whole in the text and dropped when decoding.
+
+A Hugging Face directory brings its own ``tokenizer.json`` and ``tokenizer_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LlamaTokenizer"]
+
+# GGUF's token types (llama.cpp's llama_token_type).
+CONTROL = 3
+USER_DEFINED = 4
+
+# Pre-tokenizer names (tokenizer.ggml.pre) whose split is GPT-2's byte-level regex.
+GPT2_SPLIT_PRE = {None, "default", "gpt2", "gpt-2", "smollm"}
+
+
+def _need(package: str) -> ImportError:
+    return ImportError(f"{package} is needed for the Llama tokenizer; install attnkit[llm]")
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (``bytes_to_unicode`` in its
+    encoder.py): printable Latin-1 bytes map to themselves, the rest to U+0100 onwards."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in keep:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class LlamaTokenizer:
+    """Text <-> token ids, and chat messages -> prompt text.
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer``.
+        chat_template: the model's Jinja chat template, or ``None``.
+        bos_token, eos_token: the special tokens the template may use (strings).
+        add_bos: whether ``encode`` puts ``bos_token`` first (the checkpoint says).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.add_bos = add_bos
+        self.bos_id = None if bos_token is None else tokenizer.token_to_id(bos_token)
+        self.eos_id = None if eos_token is None else tokenizer.token_to_id(eos_token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text are matched whole."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token(self, token_id: int) -> str | None:
+        """The token's string as the vocabulary spells it (byte-level characters)."""
+        return self.tokenizer.id_to_token(token_id)
+
+    @cached_property
+    def _template(self) -> Any:
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template; pass plain text instead")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        # The environment Hugging Face renders chat templates in: a sandbox (templates come
+        # from files), blocks trimmed, loop controls, and raise_exception for the template's
+        # own checks.
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}, ...]``), ending
+        with the assistant's turn opened when ``add_generation_prompt``."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        if not messages:
+            raise ValueError("messages is empty: give at least one message")
+        for k, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+                raise ValueError(f"message {k} must be a dict with a 'role' string, got {m!r}")
+            if not isinstance(m.get("content"), str):
+                raise ValueError(f"message {k} must have a 'content' string, got {m!r}")
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as err:
+            raise ValueError(f"the chat template refused these messages: {err}") from err
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> LlamaTokenizer:
+        """From a GGUF file's ``tokenizer.*`` metadata (byte-level BPE vocabularies)."""
+        try:
+            from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        except ImportError as err:  # pragma: no cover - the llm extra is installed in CI
+            raise _need("tokenizers") from err
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(
+                f"the GGUF tokenizer is {kind!r}; attnkit builds byte-level BPE ('gpt2') ones"
+            )
+        pre = meta.get("tokenizer.ggml.pre")
+        if pre not in GPT2_SPLIT_PRE:
+            raise ValueError(
+                f"the GGUF pre-tokenizer {pre!r} is not supported (supported: GPT-2's split, "
+                f"{sorted(p for p in GPT2_SPLIT_PRE if p)})"
+            )
+        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        alphabet = set(_byte_alphabet().values())
+        spell = _byte_alphabet()
+
+        def spelled(token: str) -> str:
+            # A vocabulary entry outside the byte alphabet (a few files store one as plain
+            # text) is spelled byte by byte, so BPE can reach it.
+            if set(token) <= alphabet:
+                return token
+            return "".join(spell[b] for b in token.encode("utf-8"))
+
+        vocab = {spelled(t): i for i, t in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+        tok = Tokenizer(bpe)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        control = [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, types, strict=True)
+            if kind == CONTROL and set(t) <= alphabet
+        ]
+        user = [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, types, strict=True)
+            if kind == USER_DEFINED
+        ]
+        tok.add_special_tokens(control)
+        if user:
+            tok.add_tokens(user)
+
+        def name(key: str) -> str | None:
+            index = meta.get(f"tokenizer.ggml.{key}")
+            return None if index is None else tokens[int(index)]
+
+        return cls(
+            tok,
+            chat_template=meta.get("tokenizer.chat_template"),
+            bos_token=name("bos_token_id"),
+            eos_token=name("eos_token_id"),
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, directory: str | Path) -> LlamaTokenizer:
+        """From a Hugging Face directory's ``tokenizer.json`` and ``tokenizer_config.json``."""
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as err:  # pragma: no cover - the llm extra is installed in CI
+            raise _need("tokenizers") from err
+        directory = Path(directory)
+        file = directory / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"model directory {str(directory)!r} has no tokenizer.json")
+        tok = Tokenizer.from_file(str(file))
+        tok.no_padding()
+        tok.no_truncation()
+        config: dict[str, Any] = {}
+        config_file = directory / "tokenizer_config.json"
+        if config_file.is_file():
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        template = config.get("chat_template")
+        template_file = directory / "chat_template.jinja"
+        if template is None and template_file.is_file():
+            template = template_file.read_text(encoding="utf-8")
+
+        def token(key: str) -> str | None:
+            value = config.get(key)
+            return value.get("content") if isinstance(value, dict) else value
+
+        return cls(
+            tok,
+            chat_template=template if isinstance(template, str) else None,
+            bos_token=token("bos_token"),
+            eos_token=token("eos_token"),
+            add_bos=bool(config.get("add_bos_token", False)),
+        )
