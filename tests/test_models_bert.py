@@ -106,3 +106,19 @@ def test_bert_model_is_built_from_attnkit_modules(ours32) -> None:
     assert all(isinstance(layer.attn, MultiHeadAttention) for layer in ours32.model.layers)
     n_params = sum(p.numel() for p in ours32.model.parameters())
     assert n_params == 22_713_216  # the model card's count, pooler included
+
+
+def test_state_dict_with_a_config_it_does_not_bear_out_is_refused_before_building(tiny_dir) -> None:
+    """A config claiming far more layers than the weights hold is refused by name, before the
+    model is built (building 100,000 layers would take gigabytes)."""
+    import dataclasses
+    import time
+
+    from attnkit.models.bert_config import BertConfig
+
+    config = BertConfig.from_json(tiny_dir / "config.json")
+    huge = dataclasses.replace(config, num_hidden_layers=100_000)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"encoder\.layer\.2\.attention\.self\.query\.weight"):
+        BertModel.from_hf_state_dict(huge, hf_state(tiny_dir))
+    assert time.perf_counter() - start < 1.0

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from attnkit.blocks import TransformerBlock
 from attnkit.models.bert_config import BertConfig
 from attnkit.models.bert_loading import (
+    check_config_matches_weights,
     hf_parameter_names,
     hf_state_dict_to_attnkit,
     load_bert_weights,
@@ -206,6 +207,8 @@ class BertModel(nn.Module):
         Names may carry a ``bert.`` prefix. A checkpoint without pooler tensors gives a model
         without a pooler. Problems are reported by tensor name; see ``load_bert_weights``.
         """
+        shapes = {name: tuple(t.shape) for name, t in state.items()}
+        check_config_matches_weights(config, shapes, source=source)  # before any allocation
         translated, unexpected, origin = hf_state_dict_to_attnkit(state, cls.HF_NAMES, _pack_qkv)
         has_pooler = any(k.startswith("pooler.") for k in translated)
         model = cls(config, pooler=has_pooler, backend=backend)
