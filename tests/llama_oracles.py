@@ -115,3 +115,115 @@ def hf_bundled():
 @pytest.fixture(scope="module")
 def hf_tokenizer():
     return _hf_tokenizer()
+
+
+# --- small GGUF files written with the gguf package -----------------------------------------
+
+BYTE_TOKENS = 256  # a byte-level vocabulary: one token per byte, then the control tokens
+CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def gguf_tiny_config(**overrides):
+    """A Hugging Face config whose shapes suit GGUF's 32-wide quantisation blocks."""
+    settings = dict(
+        vocab_size=BYTE_TOKENS + len(CONTROL_TOKENS),
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        rope_theta=10000.0,
+    )
+    settings.update(overrides)
+    return tiny_hf_config(**settings)
+
+
+def _byte_vocab() -> list[str]:
+    from attnkit.models.llama_tokenizer import _byte_alphabet
+
+    alphabet = _byte_alphabet()
+    return [alphabet[b] for b in range(256)] + CONTROL_TOKENS
+
+
+def write_gguf(
+    path: Path,
+    hf_model,
+    *,
+    arch: str = "llama",
+    qtype: str = "F32",
+    skip: tuple[str, ...] = (),
+    reshape: dict[str, tuple[int, ...]] | None = None,
+) -> Path:
+    """Write ``hf_model``'s weights as llama.cpp's converter does: GGUF names, q/k rows
+    permuted (``LlamaModel.permute`` in convert_hf_to_gguf.py, written out here), 2-D weights in
+    ``qtype``, norms in F32, and a byte-level tokenizer with a chat template."""
+    import gguf
+    import numpy as np
+
+    c = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_uint32(f"{arch}.context_length", c.max_position_embeddings)
+    writer.add_uint32(f"{arch}.embedding_length", c.hidden_size)
+    writer.add_uint32(f"{arch}.feed_forward_length", c.intermediate_size)
+    writer.add_uint32(f"{arch}.attention.head_count", c.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", c.num_key_value_heads)
+    writer.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_string("tokenizer.ggml.pre", "smollm")
+    vocab = _byte_vocab()
+    writer.add_token_list(vocab)
+    writer.add_token_types([1] * BYTE_TOKENS + [3] * len(CONTROL_TOKENS))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(vocab.index("<|im_start|>"))
+    writer.add_eos_token_id(vocab.index("<|im_end|>"))
+    writer.add_chat_template(TEMPLATE)
+
+    def permute(w, heads):
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2)
+
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+    }
+    layer = {
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }  # fmt: skip
+    for n in range(c.num_hidden_layers):
+        for hf_name, g_name in layer.items():
+            names[f"model.layers.{n}.{hf_name}.weight"] = f"blk.{n}.{g_name}.weight"
+    if not c.tie_word_embeddings:
+        names["lm_head.weight"] = "output.weight"
+    state = hf_model.state_dict()
+    for hf_name, g_name in names.items():
+        if g_name in skip:
+            continue
+        w = state[hf_name].detach().float().numpy()
+        if g_name.endswith("attn_q.weight"):
+            w = permute(w, c.num_attention_heads).reshape(w.shape)
+        elif g_name.endswith("attn_k.weight"):
+            w = permute(w, c.num_key_value_heads).reshape(w.shape)
+        if reshape and g_name in reshape:
+            w = np.resize(w, reshape[g_name])
+        w = np.ascontiguousarray(w)
+        if w.ndim == 2 and qtype != "F32":
+            kind = gguf.GGMLQuantizationType[qtype]
+            if qtype == "F16":
+                writer.add_tensor(g_name, w.astype(np.float16))
+            else:
+                writer.add_tensor(g_name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(g_name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

