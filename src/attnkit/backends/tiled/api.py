@@ -12,7 +12,7 @@ from torch import Tensor
 from attnkit._numerics import no_autocast
 from attnkit.backends.tiled.backward import backward
 from attnkit.backends.tiled.forward import forward
-from attnkit.backends.tiled.tiles import Spec, tile_sizes
+from attnkit.backends.tiled.tiles import ScoreMod, Spec, tile_sizes
 from attnkit.masks import BiasFn, MaskFn, all_of, causal_fn, causal_offset, pad_to_rank
 from attnkit.registry import AttentionCall, register_backend
 
@@ -20,34 +20,64 @@ __all__ = ["backward_blocks", "forward_blocks", "run_call", "tiled_attention", "
 
 
 class _TiledAttention(torch.autograd.Function):
-    """Forward saves only q, k, v, the output and the log-sum-exp; backward recomputes tiles."""
+    """Forward saves only q, k, v, the output and the log-sum-exp; backward recomputes tiles.
+
+    Returns the output and the (non-differentiable) log-sum-exp. ``leaves`` are the tensors a
+    score_mod captured (``_captured``): inputs here, so that autograd hands them their
+    gradients like any other input's."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias: Tensor | None, sinks: Tensor | None, spec: Spec):  # type: ignore[override]
+    def forward(ctx, q, k, v, bias, sinks, spec: Spec, *leaves):  # type: ignore[override]
         spec = replace(spec, bias=bias)
         with no_autocast(q.device):
             out, lse, poisoned = forward(q, k, v, spec, sinks)
         out = out.to(q.dtype)
         ctx.spec = spec
-        ctx.save_for_backward(q, k, v, bias, sinks, out, lse, poisoned)
-        return out if poisoned is None else out.masked_fill(poisoned, float("nan"))
+        ctx.save_for_backward(q, k, v, bias, sinks, out, lse, poisoned, *leaves)
+        ctx.mark_non_differentiable(lse)
+        return (out if poisoned is None else out.masked_fill(poisoned, float("nan"))), lse
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
-        q, k, v, bias, sinks, out, lse, poisoned = ctx.saved_tensors
+    def backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):  # type: ignore[override]
+        q, k, v, bias, sinks, out, lse, poisoned, *leaves = ctx.saved_tensors
         spec = replace(ctx.spec, bias=bias)
         want_dbias = bias is not None and ctx.needs_input_grad[3]
         if poisoned is not None:  # NaN entries from non-finite values carry no gradient
             grad_out = grad_out.masked_fill(poisoned, 0.0)
         with no_autocast(q.device):
-            dq, dk, dv, dbias, dsinks = backward(
-                q, k, v, out, lse, grad_out, spec, want_dbias, sinks
+            dq, dk, dv, dbias, dsinks, dleaves = backward(
+                q, k, v, out, lse, grad_out, spec, want_dbias, sinks, tuple(leaves)
             )
         if dbias is not None:
             dbias = dbias.to(bias.dtype)
         if dsinks is not None:
             dsinks = dsinks.to(sinks.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, dsinks, None
+        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, dsinks, None)
+        return (*grads, *dleaves)
+
+
+def _captured(score_mod: ScoreMod | None, q: Tensor) -> tuple[Tensor, ...]:
+    """The leaf tensors that require grad and that ``score_mod`` reaches: found by calling it
+    once on a one-element score and walking the autograd graph of its result."""
+    if score_mod is None or not torch.is_grad_enabled():
+        return ()
+    index = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device)
+    score = torch.zeros(1, 1, 1, 1, dtype=q.dtype, device=q.device, requires_grad=True)
+    with torch.enable_grad():
+        out = score_mod(score, index, index, index, index)
+    leaves: dict[int, Tensor] = {}
+    stack = [getattr(out, "grad_fn", None)]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if isinstance(variable, Tensor) and variable is not score:
+            leaves[id(variable)] = variable
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return tuple(leaves.values())
 
 
 def _pad4(t: Tensor | None) -> Tensor | None:
@@ -70,7 +100,9 @@ def tiled_attention(
     gather: bool = False,
     softcap: float | None = None,
     sinks: Tensor | None = None,
-) -> Tensor:
+    score_mod: ScoreMod | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Differentiable tiled attention on 4-D inputs ``(b, h, i, d)``, ``k, v (b, h_kv, j, d)``.
 
     ``mask``/``bias``: bool/float tensors broadcastable to ``(b, h, i, j)``; ``mask_fn`` and
@@ -80,12 +112,18 @@ def tiled_attention(
     the key ranges a query block may see as one group (gathered when they are not contiguous):
     fewer, larger matmuls for sparse layouts (the ``sparse`` backend). ``softcap`` and
     ``sinks`` ``(h,)`` as in ``scaled_dot_product_attention``; gradients reach ``sinks``.
+
+    ``score_mod(score, b, h, i, j) -> score`` (FlexAttention's) rewrites each tile's scaled,
+    biased scores ``(b, h, bi, bj)`` before soft-capping and masking; gradients flow through it,
+    into the tensors it captures too. ``return_lse=True`` also returns the natural
+    log-sum-exp of each row ``(b, h, i)`` (not differentiable).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if is_causal:
         mask_fn = all_of(mask_fn, causal_fn(causal_offset(q.shape[2], k.shape[2])))
-    block_q, block_k = tile_sizes(block_q, block_k, bias is not None or bias_fn is not None)
+    modified = bias is not None or bias_fn is not None or score_mod is not None
+    block_q, block_k = tile_sizes(block_q, block_k, modified)
     spec = Spec(
         scale,
         _pad4(mask),
@@ -96,8 +134,11 @@ def tiled_attention(
         block_k=block_k,
         gather=gather,
         softcap=softcap,
+        score_mod=score_mod,
     )
-    return _TiledAttention.apply(q, k, v, _pad4(bias), sinks, spec)
+    leaves = _captured(score_mod, q)
+    out, lse = _TiledAttention.apply(q, k, v, _pad4(bias), sinks, spec, *leaves)
+    return (out, lse) if return_lse else out
 
 
 def forward_blocks(
@@ -167,7 +208,7 @@ def backward_blocks(
     """
     spec = _block_spec(scale, mask, mask_fn, bias, bias_fn, q_offset, k_offset, block_q, block_k)
     with torch.no_grad(), no_autocast(q.device):
-        dq, dk, dv, _, _ = backward(q, k, v, out, lse, grad_out, spec, want_dbias=False)
+        dq, dk, dv, *_ = backward(q, k, v, out, lse, grad_out, spec, want_dbias=False)
     return dq, dk, dv
 
 

@@ -51,6 +51,35 @@ def _add_dbias(dbias: Tensor, ds: Tensor, tiles: Tiles, i0: int, i1: int, sel: S
         dbias[:, :, span].index_add_(3, sel, tile)
 
 
+def _recording_mod(tiles: Tiles, i0: int, i1: int, sel: Sel, record: dict[str, Tensor]):
+    """A ``mod`` for ``Tiles.logits`` that applies the score_mod with autograd on and keeps its
+    input and output in ``record``, for ``_through_mod``."""
+
+    def mod(s: Tensor) -> Tensor:
+        scores = tiles.heads_layout(s).requires_grad_()  # (b, h, bi, bj), natural units
+        with torch.enable_grad():
+            out = tiles.score_mod(scores, i0, i1, sel)
+        record["in"], record["out"] = scores, out
+        return tiles.rows_layout(out.detach().to(scores.dtype))
+
+    return mod
+
+
+def _through_mod(
+    tiles: Tiles, ds: Tensor, record: dict[str, Tensor], leaves: tuple, dleaves: list
+) -> Tensor:
+    """``ds`` (row layout, d loss / d modified score) -> d loss / d score, by the chain rule
+    through the score_mod; the gradients of the tensors it captured are added to ``dleaves``."""
+    grad_out = unrows(unflat(ds, tiles.nb), tiles.g)  # (b, h, bi, bj)
+    grads = torch.autograd.grad(
+        record["out"], (record["in"], *leaves), grad_out, retain_graph=True, allow_unused=True
+    )
+    for k, g in enumerate(grads[1:]):
+        if g is not None:
+            dleaves[k] = g if dleaves[k] is None else dleaves[k] + g
+    return flat(rows(grads[0], tiles.g)).contiguous()
+
+
 def backward(
     q: Tensor,
     k: Tensor,
@@ -61,10 +90,12 @@ def backward(
     spec: Spec,
     want_dbias: bool,
     sinks: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    leaves: tuple[Tensor, ...] = (),
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, list]:
     """``(dq, dk, dv, dbias, dsinks)`` in the compute dtype; ``dbias`` only for a bias tensor
     when ``want_dbias`` (its gradient disables head skipping, which would drop its small
-    parts), ``dsinks`` when ``sinks`` are given.
+    parts), ``dsinks`` when ``sinks`` are given, and the gradients of ``leaves``, the tensors a
+    score_mod captured (None where it does not reach one).
 
     A sink is a key with logit ``sink_h`` and value 0, so its weight ``exp(sink_h - lse)``
     enters only through the row's log-sum-exp, and its gradient is
@@ -81,7 +112,7 @@ def backward(
             dbias = torch.zeros(spec.bias.shape, dtype=dtype, device=q.device)
         zeros = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (q, k, v))
         dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=dtype)
-        return (*zeros, dbias, dsinks)  # type: ignore[return-value]
+        return (*zeros, dbias, dsinks, [None] * len(leaves))  # type: ignore[return-value]
     tiles = Tiles(spec, q, k)
     g, dtype, nb = tiles.g, tiles.dtype, tiles.nb
     q_c = flat(rows(q.to(dtype), g))  # (b * h_kv, i * g, d)
@@ -98,6 +129,7 @@ def backward(
         dbias = torch.zeros(spec.bias.shape, dtype=dtype, device=q.device)
     dsink_rows = None if sinks is None else torch.zeros_like(lse2)  # (b * h_kv, i * g)
     cap = None if spec.softcap is None else spec.softcap * LOG2E
+    dleaves: list[Tensor | None] = [None] * len(leaves)
     for i0 in range(0, tiles.ni, spec.block_q):
         i1 = min(tiles.ni, i0 + spec.block_q)
         r0, r1 = i0 * g, i1 * g
@@ -129,7 +161,9 @@ def backward(
             q_h, q2_h, do_h, k_h, k_th, v_th = (
                 heads(t, nb, lo, hi) for t in (q_blk, q2_blk, do_blk, k_t, k_tt, v_tt)
             )  # the tensors themselves when all heads are computed
-            s = tiles.logits(q2_h, k_th, allowed, head_tile(bias, lo, hi))
+            record: dict[str, Tensor] = {}
+            mod = None if spec.score_mod is None else _recording_mod(tiles, i0, i1, sel, record)
+            s = tiles.logits(q2_h, k_th, allowed, head_tile(bias, lo, hi), mod)
             # d capped / d raw = 1 - tanh^2 (blocked positions: 0, whatever they hold)
             slope = None if cap is None else s.div(cap).square_().neg_().add_(1.0).clamp_min_(0)
             p = exp2_shifted(s, heads(lse_blk, nb, lo, hi), tiles.flush_below, tiles.blocked)
@@ -137,6 +171,8 @@ def backward(
             ds = dp.sub_(heads(delta, nb, lo, hi)).mul_(p)  # d loss / d scores
             if slope is not None:
                 ds.mul_(slope)
+            if record:  # through the score modification, into what it captured
+                ds = _through_mod(tiles, ds, record, leaves, dleaves)
             if nan_rows and allowed is not None:
                 hidden = ~head_tile(allowed, lo, hi).expand_as(unflat(s, nb))
                 unflat(p, nb).masked_fill_(hidden, 0.0)
@@ -156,4 +192,4 @@ def backward(
     if dsink_rows is not None:  # rows -> heads: sum over batch and queries, head kv * g + r % g
         per_row = dsink_rows.view(nb, tiles.hk, tiles.ni, g)
         dsinks = -per_row.sum(dim=(0, 2)).reshape(-1)  # (h,)
-    return unrows(unflat(dq, nb), g), unflat(dk, nb), unflat(dv, nb), dbias, dsinks
+    return unrows(unflat(dq, nb), g), unflat(dk, nb), unflat(dv, nb), dbias, dsinks, dleaves

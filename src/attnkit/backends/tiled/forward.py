@@ -97,11 +97,11 @@ def _exact_block(
         if lo == hi:
             continue
         if (lo, hi) == (0, tiles.hk):  # every head: the whole tensors, no copies
-            s = tiles.logits(q_blk, k_tt, allowed, bias)
+            s = tiles.logits(q_blk, k_tt, allowed, bias, tiles.modifier(i0, i1, sel))
             reach.add(s, sel)
             state = update(state, s, v_t, exact_shift(state, s), tiles.flush_below, tiles.blocked)
             continue
-        # Some heads only: update those rows of the (written-out) state.
+        # Some heads only (never with a score_mod: see can_skip): update those rows.
         state = state.filled(q_blk, dv, tiles.blocked)
         m, l, acc = state.m, state.l, state.acc
         assert m is not None and l is not None and acc is not None

@@ -33,9 +33,9 @@ def negligible_bits(dtype: torch.dtype) -> int:
 
 def can_skip(tiles: Tiles, allowed: Tensor | None, bias: Tensor | None, sel: Sel) -> bool:
     """Whether ``needed`` may drop slices of this tile: a bias, no mask, a contiguous tile, and
-    no soft-capping (its bounds are not those of the raw logits)."""
-    uncapped = tiles.spec.softcap is None
-    return uncapped and bias is not None and allowed is None and isinstance(sel, slice)
+    no soft-capping or score modification (the bounds are those of the raw logits)."""
+    raw = tiles.spec.softcap is None and tiles.spec.score_mod is None
+    return raw and bias is not None and allowed is None and isinstance(sel, slice)
 
 
 def row_max(tiles: Tiles, bias: Tensor, i0: int, i1: int, sel: slice) -> Tensor:

@@ -10,15 +10,25 @@ Blocked scores get the dtype's finite minimum, never ``-inf``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from attnkit._numerics import blocked, compute_dtype
-from attnkit.backends.tiled.layout import bmm, flip_queries, keys, tile_rows, unflat
+from attnkit.backends.tiled.layout import (
+    bmm,
+    flat,
+    flip_queries,
+    keys,
+    rows,
+    tile_rows,
+    unflat,
+    unrows,
+)
 from attnkit.backends.tiled.relative import Relative
-from attnkit.backends.tiled.softmax import LOG2E
+from attnkit.backends.tiled.softmax import LN2, LOG2E
 from attnkit.masks import BiasFn, MaskFn, checked_bias, checked_mask, structure_of
 
 __all__ = ["BLOCK_K", "BLOCK_K_BIAS", "BLOCK_Q", "BLOCK_Q_BIAS", "KeyTiles", "Spec", "Tiles"]
@@ -30,6 +40,9 @@ BLOCK_Q_BIAS = 256  # with a bias: finer head skipping, and per-tile bias work s
 BLOCK_K_BIAS = 512
 
 Sel = slice | Tensor  # the keys of a tile: a contiguous slice, or gathered indices (sparse)
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+"""``score_mod(score, b, h, i, j) -> score``: FlexAttention's score modification; ``score`` is
+the scaled (and biased) score of a tile ``(b, h, bi, bj)``, positions are absolute."""
 
 
 @dataclass(frozen=True)
@@ -47,10 +60,13 @@ class Spec:
     block_k: int = BLOCK_K
     gather: bool = False  # visit each query block's key ranges as one gathered group (sparse)
     softcap: float | None = None  # scores become softcap * tanh(scores / softcap), natural units
+    score_mod: ScoreMod | None = None  # score_mod(score, b, h, i, j) -> score, natural units
 
     @property
     def has_bias(self) -> bool:
-        return self.bias is not None or self.bias_fn is not None
+        """Whether scores are more than ``q k^T * scale``: a bias tensor or function, or a score
+        modification (their spread calls for the exact running maximum)."""
+        return self.bias is not None or self.bias_fn is not None or self.score_mod is not None
 
 
 def tile_sizes(block_q: int | None, block_k: int | None, has_bias: bool) -> tuple[int, int]:
@@ -88,6 +104,38 @@ class Tiles:
                 spec.bias_fn, shape, spec.q_offset, spec.k_offset, self.dtype, device
             )
         self.reverse = self.relative is not None
+
+    def heads_layout(self, s: Tensor) -> Tensor:
+        """Base-2 row-layout logits ``(b * h_kv, rows, bj)`` as natural-unit scores by head,
+        ``(b, h, bi, bj)`` (a copy): what a score modification sees."""
+        return unrows(unflat(s, self.nb), self.g) * LN2
+
+    def rows_layout(self, scores: Tensor) -> Tensor:
+        """The inverse of ``heads_layout``: ``(b, h, bi, bj)`` -> ``(b * h_kv, rows, bj)``."""
+        return flat(rows(scores * LOG2E, self.g)).contiguous()
+
+    def score_mod(self, scores: Tensor, i0: int, i1: int, sel: Sel) -> Tensor:
+        """``spec.score_mod`` on the natural scores ``(b, h, bi, bj)`` of a tile, checked."""
+        i, j = self._positions(i0, i1, sel)
+        out = self.spec.score_mod(scores, self.b_idx, self.h_idx, i, j)  # type: ignore[misc]
+        if not isinstance(out, Tensor) or out.shape != scores.shape:
+            got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            raise ValueError(
+                f"score_mod must return a tensor of the score's shape {tuple(scores.shape)}, "
+                f"got {got}"
+            )
+        return out
+
+    def modifier(self, i0: int, i1: int, sel: Sel) -> Callable[[Tensor], Tensor] | None:
+        """The ``mod`` for ``logits`` of a tile (no gradient), or None without a score_mod."""
+        if self.spec.score_mod is None:
+            return None
+
+        def mod(s: Tensor) -> Tensor:
+            scores = self.heads_layout(s)
+            return self.rows_layout(self.score_mod(scores, i0, i1, sel).to(scores.dtype))
+
+        return mod
 
     def sink_rows(self, sinks: Tensor | None, i0: int, i1: int) -> Tensor | None:
         """The base-2 sink logit of each row of query block ``[i0, i1)``: ``(b * h_kv, rows)``
@@ -205,9 +253,15 @@ class Tiles:
         return tile_rows(bias.to(self.dtype), self.g, i1 - i0, _width(sel))
 
     def logits(
-        self, q2: Tensor, k_tt: Tensor, allowed: Tensor | None, bias: Tensor | None
+        self,
+        q2: Tensor,
+        k_tt: Tensor,
+        allowed: Tensor | None,
+        bias: Tensor | None,
+        mod: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor:
-        """Base-2 logits ``(b * h_kv, rows, bj)`` of a tile.
+        """Base-2 logits ``(b * h_kv, rows, bj)`` of a tile: scores, bias, ``mod`` (the score
+        modification, see ``score_mod``), soft-capping, mask, in that order.
 
         ``q2`` ``(b * h_kv, rows, d)`` is the query block already multiplied by
         ``scale * log2(e)``; ``k_tt`` ``(b * h_kv, d, bj)`` the key tile, transposed;
@@ -215,13 +269,16 @@ class Tiles:
         """
         s = bmm(q2, k_tt)  # (b * h_kv, rows, bj)
         softcap = self.spec.softcap
-        if bias is None and allowed is None and softcap is None:
+        if bias is None and allowed is None and softcap is None and mod is None:
             return s
         s4 = unflat(s, self.nb)  # (b, h_kv, rows, bj), same memory
         if bias is not None and bias.dim() == 5:  # a relative view (1, h_kv, queries, g, bj)
             s4.view(*s4.shape[:2], -1, self.g, s4.shape[3]).add_(bias, alpha=LOG2E)
         elif bias is not None:
             s4.add_(bias, alpha=LOG2E)
+        if mod is not None:
+            s = mod(s)
+            s4 = unflat(s, self.nb)
         if softcap is not None:  # logit soft-capping (Gemma 2), in base-2 units
             cap = softcap * LOG2E
             s.div_(cap).tanh_().mul_(cap)
