@@ -334,7 +334,7 @@ class RelativePositionAttention(MultiHeadAttention):
                 bias = materialize(bias, (b, h, i, j), device=q.device)
             key_term = key_term + bias
         _, weights = scaled_dot_product_attention(
-            q, k, v, mask, bias=key_term, is_causal=is_causal, return_weights=True, backend="math"
+            q, k, v, mask, bias=key_term, is_causal=is_causal, return_weights=True
         )
         weights = weights.to(compute)  # (b, h, i, j), rows sum to 1 (0 when fully masked)
         dropped = F.dropout(weights, self.dropout, self.training)

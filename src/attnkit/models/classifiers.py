@@ -143,7 +143,7 @@ class AttentionPooling(nn.Module):
         q = self.query.expand(b, 1, e)  # (b, i=1, e)
         k = torch.tanh(self.key(x))  # (b, j=t, e)
         pooled, weights = scaled_dot_product_attention(
-            q, k, x, mask[:, None, :], return_weights=True, backend="math"
+            q, k, x, mask[:, None, :], return_weights=True
         )  # (b, 1, e), (b, 1, t)
         return pooled[:, 0], weights[:, 0]
 
