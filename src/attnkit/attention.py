@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from attnkit._numerics import no_autocast, to_autocast
 from attnkit.functional import scaled_dot_product_attention
 from attnkit.masks import BiasFn, MaskFn
+from attnkit.variants import AttentionVariants, OutputGate, QKNorm
 
 __all__ = ["KVCache", "MultiHeadAttention", "QKTransform"]
 
@@ -166,6 +167,8 @@ class MultiHeadAttention(nn.Module):
         bias: whether the projections have biases.
         dropout: probability of dropping an attention weight, applied only in training mode.
         backend: attention backend name (``"auto"``, ``"math"``, ``"torch"``, or any registered).
+        variants: soft-capping, attention sinks, qk-norm and output gates
+            (``attnkit.variants.AttentionVariants``); ``None``: none of them.
     """
 
     def __init__(
@@ -179,6 +182,7 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         backend: str = "auto",
+        variants: AttentionVariants | None = None,
     ) -> None:
         super().__init__()
         _check_positive("embed_dim", embed_dim)
@@ -219,6 +223,14 @@ class MultiHeadAttention(nn.Module):
             self.k_proj = nn.Linear(kdim, kv_dim, bias=bias)
             self.v_proj = nn.Linear(vdim, kv_dim, bias=bias)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.variants = AttentionVariants() if variants is None else variants
+        if not isinstance(self.variants, AttentionVariants):
+            raise TypeError(f"variants must be AttentionVariants, got {type(variants).__name__}")
+        var = self.variants
+        self.q_norm = None if var.qk_norm is None else QKNorm(self.head_dim, var.qk_norm)
+        self.k_norm = None if var.qk_norm is None else QKNorm(self.head_dim, var.qk_norm)
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if var.sinks else None
+        self.gate = None if var.gate is None else OutputGate(embed_dim, num_heads, var.gate)
         self.reset_parameters()
 
     @property
@@ -351,6 +363,9 @@ class MultiHeadAttention(nn.Module):
         if k is not None and v is not None:
             k = k.view(b, j, h_kv, d).transpose(1, 2)  # (b, h_kv, j, d)
             v = v.view(b, j, h_kv, d).transpose(1, 2)  # (b, h_kv, j, d)
+        if self.q_norm is not None and self.k_norm is not None:  # qk-norm, before RoPE
+            q = self.q_norm(q)
+            k = None if k is None else self.k_norm(k)
 
         offset = 0 if cache is None or memory_cache is not None else cache.length
         if rope is not None:
@@ -369,6 +384,8 @@ class MultiHeadAttention(nn.Module):
             out, weights = self._attend(
                 q, k, v, mask=mask, is_causal=is_causal, need_weights=need_weights, bias=bias
             )
+        if self.gate is not None:
+            out = self.gate(out, query)  # (b, h, i, d), gated by the layer input
         out = out.transpose(1, 2).reshape(b, i, self.embed_dim)  # (b, i, h * d)
         return self.out_proj(out), weights
 
@@ -414,6 +431,8 @@ class MultiHeadAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             return_weights=need_weights,
             backend=self.backend,
+            softcap=self.variants.softcap,
+            sinks=self.sinks,
         )
         return result if isinstance(result, tuple) else (result, None)
 
