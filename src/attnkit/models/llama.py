@@ -101,7 +101,9 @@ class LlamaBlock(nn.Module):
         h, weights = self.attn(
             self.attn_norm(x),
             mask=mask,
-            is_causal=True,
+            # One new token sees every cached key and itself: causal changes nothing, and
+            # without it the backend needs no mask at all (the common decoding step).
+            is_causal=x.shape[1] > 1,
             rope=rope,
             cache=cache,
             need_weights=need_weights,

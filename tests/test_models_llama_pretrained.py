@@ -1,0 +1,103 @@
+"""The bundled SmolLM2-135M-Instruct against transformers' LlamaForCausalLM loaded from the same
+GGUF: logits, greedy generation, tokenizer and chat template. Both models load once per test
+session (``llama_oracles``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from llama_oracles import TEXTS
+from llama_oracles import bundled as bundled
+from llama_oracles import hf_bundled as hf_bundled
+from llama_oracles import hf_tokenizer as hf_tokenizer
+
+pytestmark = pytest.mark.slow  # loads two 135M-parameter models (about 20 s together)
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = (
+    "The lighthouse keeper had not spoken to anyone in three winters. Each evening he climbed "
+    "the one hundred and twelve steps, trimmed the wick, wound the clockwork that turned the "
+    "great lens, and wrote a single line in the log: weather, ships, nothing else. "
+)
+
+
+def _prompt_of(model, n: int) -> torch.Tensor:
+    ids = model.encode(STORY * 8)
+    assert len(ids) >= n
+    return torch.tensor([ids[:n]])
+
+
+@pytest.mark.parametrize("n", [1, 2, 9, 64, 97, 200])
+def test_logits_equal_transformers(bundled, hf_bundled, n: int) -> None:
+    ids = _prompt_of(bundled, n)
+    with torch.no_grad():
+        ours = bundled.model(ids).logits
+        theirs = hf_bundled(ids).logits
+    error = (ours - theirs).abs().max().item()
+    assert error <= 1e-4, error
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        FRANCE,
+        "Once upon a time",
+        [{"role": "user", "content": "Write a Python function that reverses a string."}],
+    ],
+    ids=["chat-france", "story", "chat-code"],
+)
+def test_greedy_64_tokens_equal_transformers_generate(bundled, hf_bundled, prompt) -> None:
+    text = prompt if isinstance(prompt, str) else bundled.chat_prompt(prompt)
+    ids = bundled.encode(text)
+    ours = bundled.generate_ids(ids, 64)[0]
+    with torch.no_grad():
+        out = hf_bundled.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
+    assert ours == out[0, len(ids) :].tolist()
+
+
+def test_chat_answers_the_capital_of_france(bundled) -> None:
+    pieces: list[str] = []
+    answer = bundled.chat(FRANCE, 32, on_text=pieces.append)
+    assert answer == "The capital of France is Paris."
+    assert "".join(pieces) == answer and len(pieces) > 1  # streamed, token by token
+    assert bundled.generate(bundled.chat_prompt(FRANCE), 32, stop="Paris") == (
+        "The capital of France is "
+    )
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_equals_transformers(bundled, hf_tokenizer, text: str) -> None:
+    ours = bundled.encode(text)
+    assert ours == hf_tokenizer(text)["input_ids"]
+    assert bundled.decode(ours) == hf_tokenizer.decode(ours, skip_special_tokens=True)
+
+
+def test_chat_template_equals_transformers(bundled, hf_tokenizer) -> None:
+    conversations = [
+        FRANCE,
+        [
+            {"role": "system", "content": "You answer in one word."},
+            {"role": "user", "content": "Colour of the sky?"},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "And grass?"},
+        ],
+    ]
+    for messages in conversations:
+        for open_turn in (True, False):
+            ours = bundled.tokenizer.apply_chat_template(messages, add_generation_prompt=open_turn)
+            theirs = hf_tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=open_turn
+            )
+            assert ours == theirs
+
+
+def test_left_padded_batch_gives_the_tokens_of_each_prompt_alone(bundled) -> None:
+    prompts = ["Once upon a time", bundled.chat_prompt(FRANCE), "1, 2, 3, 4,"]
+    together = bundled.generate_ids(prompts, 12)
+    alone = [bundled.generate_ids(p, 12)[0] for p in prompts]
+    assert together == alone
+    assert bundled.generate(prompts, 12)[1] == "The capital of France is Paris."
