@@ -99,3 +99,26 @@ def test_bad_options_are_named() -> None:
     m = MultiHeadAttention(8, 2, variants=AttentionVariants(softcap=3.0), backend="torch")
     with pytest.raises(ValueError, match="softcap"):  # torch's kernel declines by name
         m(torch.randn(1, 3, 8))
+
+
+def test_stacks_take_the_variants_from_their_config() -> None:
+    """Every block's self-attention gets the configured variants; the decoder's KV-cache
+    decoding equals its full forward with all of them on; relative positions refuse them."""
+    from attnkit import TransformerConfig, TransformerDecoder
+
+    every = AttentionVariants(softcap=5.0, sinks=True, qk_norm="rms", gate="head")
+    config = TransformerConfig(
+        embed_dim=E, num_heads=H, num_layers=2, vocab_size=30, positional="rope", variants=every
+    )
+    torch.manual_seed(0)
+    decoder = TransformerDecoder(config).double().eval()
+    assert all(block.attn.variants == every for block in decoder.blocks)
+    ids = torch.randint(0, 30, (2, 9))
+    full, _ = decoder(ids)
+    caches = decoder.new_caches()
+    steps = [decoder(ids[:, t : t + 1], caches=caches)[0] for t in range(9)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-10, rtol=1e-10)
+    with pytest.raises(ValueError, match="variants are not available with positional='relative'"):
+        TransformerConfig(
+            embed_dim=E, num_heads=H, num_layers=1, positional="relative", variants=every
+        )

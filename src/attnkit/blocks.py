@@ -43,6 +43,7 @@ from attnkit.positional import (
     SinusoidalPositionalEncoding,
     alibi_fn,
 )
+from attnkit.variants import AttentionVariants
 
 __all__ = [
     "FeedForward",
@@ -123,7 +124,8 @@ class TransformerBlock(nn.Module):
         x = x + dropout(ffn(ffn_norm(x)))
 
     ``dropout`` is used for attention weights, inside the feed-forward and on each residual
-    branch, as in ``nn.TransformerEncoderLayer``.
+    branch, as in ``nn.TransformerEncoderLayer``. ``variants`` configures the self-attention
+    (``attnkit.variants.AttentionVariants``).
     """
 
     def __init__(
@@ -139,11 +141,17 @@ class TransformerBlock(nn.Module):
         cross_attention: bool = False,
         eps: float = 1e-5,
         backend: str = "auto",
+        variants: AttentionVariants | None = None,
     ) -> None:
         super().__init__()
         self.norm_first = norm_first
         self.attn = MultiHeadAttention(
-            embed_dim, num_heads, num_kv_heads=num_kv_heads, dropout=dropout, backend=backend
+            embed_dim,
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            dropout=dropout,
+            backend=backend,
+            variants=variants,
         )
         self.attn_norm = nn.LayerNorm(embed_dim, eps=eps)
         self.cross_attn: MultiHeadAttention | None = None
@@ -277,6 +285,8 @@ class TransformerConfig:
     ``gradient_checkpointing`` recomputes each block in the backward pass instead of storing its
     activations (training only; ``torch.utils.checkpoint`` with ``use_reentrant=False``).
     ``cross_attention`` gives decoder blocks a cross-attention over an encoder's memory.
+    ``variants`` (``attnkit.variants.AttentionVariants``: soft-capping, sinks, qk-norm, output
+    gates) applies to every block's self-attention; not with ``positional="relative"``.
     """
 
     embed_dim: int
@@ -295,6 +305,7 @@ class TransformerConfig:
     gradient_checkpointing: bool = False
     backend: str = "auto"
     max_distance: int = 16
+    variants: AttentionVariants | None = None
 
     def __post_init__(self) -> None:
         for name in ("embed_dim", "num_heads", "num_layers", "max_len", "max_distance"):
@@ -311,6 +322,11 @@ class TransformerConfig:
             not isinstance(self.vocab_size, int) or self.vocab_size <= 0
         ):
             raise ValueError(f"vocab_size must be a positive int or None, got {self.vocab_size!r}")
+        if self.variants is not None and self.positional == "relative":
+            raise ValueError(
+                "variants are not available with positional='relative' (its attention computes "
+                "relative keys and values itself); use 'rope' or 'alibi'"
+            )
 
     @property
     def hidden_dim(self) -> int:
@@ -346,6 +362,7 @@ class _Stack(nn.Module):
                 cross_attention=c.cross_attention and causal,
                 eps=c.eps,
                 backend=c.backend,
+                variants=c.variants,
             )
             for _ in range(c.num_layers)
         )
