@@ -161,6 +161,51 @@ def test_attention_weights_equal_eager(kind: str, float64_eager: None) -> None:
         assert ((ours - theirs) * real_rows).abs().max() < 1e-10
 
 
+@pytest.mark.parametrize("weights", [False, True], ids=["outputs", "weights"])
+def test_t5_relative_position_bias_equals_eager(weights: bool) -> None:
+    """T5 passes its relative-position bias as ``position_bias``; encoder self-attention,
+    decoder causal self-attention and cross-attention over a padded encoder batch."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=48,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        initializer_factor=3.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    model = transformers.T5ForConditionalGeneration._from_config(
+        config, attn_implementation="eager", dtype=torch.float64
+    ).eval()
+    ids, mask = _batch(True, left=False)
+    decoder_ids = ids[:, :7].clamp(min=1)
+    got = {}
+    for implementation in ("eager", NAME):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            got[implementation] = model(
+                input_ids=ids,
+                attention_mask=mask,
+                decoder_input_ids=decoder_ids,
+                output_attentions=weights,
+            )
+    ours, theirs = got[NAME], got["eager"]
+    assert (ours.logits - theirs.logits).abs().max() < 1e-10
+    real = mask.bool()
+    assert (ours.encoder_last_hidden_state - theirs.encoder_last_hidden_state)[
+        real
+    ].abs().max() < 1e-10
+    if weights:
+        pairs = [*zip(ours.decoder_attentions, theirs.decoder_attentions, strict=True)]
+        pairs += zip(ours.cross_attentions, theirs.cross_attentions, strict=True)
+        assert len(pairs) == 4
+        assert max(float((a - b).abs().max()) for a, b in pairs) < 1e-10
+
+
 def test_stock_eager_rounds_its_softmax() -> None:
     """Why ``float64_eager`` exists: without it, eager's float32 softmax is the difference."""
     model = _model("llama")
