@@ -116,6 +116,7 @@ def _edges() -> tuple[Edge, ...]:
 CORE = {"masks", "functional", "registry"}
 PACKAGE_LAYERS = {
     "backends": "backends",
+    "flex": "modules",
     "models": "models",
     "integrations": "models",
     "viz": "viz",

@@ -1,0 +1,50 @@
+"""FlexAttention's API on attnkit's tiled engine: torch's flex code runs, and trains, on CPU.
+
+``flex_attention``, ``create_block_mask``, ``BlockMask``, ``and_masks``, ``or_masks`` and
+``noop_mask`` have the names and meaning of ``torch.nn.attention.flex_attention`` (Dong et al.
+2024, "Flex Attention", arXiv:2412.05496). A ``score_mod(score, b, h, q_idx, kv_idx)`` and a
+``mask_mod(b, h, q_idx, kv_idx)`` written for torch run unchanged: attnkit calls them once per
+tile, on broadcast index tensors instead of scalars::
+
+    score (b, h, bi, bj)    b (b, 1, 1, 1)    h (1, h, 1, 1)
+    q_idx (1, 1, bi, 1)     kv_idx (1, 1, 1, bj)
+
+so elementwise ops, ``torch.where`` and indexing captured tensors (``doc_ids[q_idx]``,
+``table[h, q_idx - kv_idx]``) mean what they mean in torch. The engine is the tiled backend
+(``attnkit.backends.tiled``): no ``i x j`` tensor is built, and the backward recomputes each tile
+and differentiates through ``score_mod``, so gradients reach q, k, v and the tensors a score_mod
+captures (a learned bias table), which torch's CPU flex refuses.
+
+It computes what torch's reference (its eager path) computes, written once here::
+
+    s = scale * q @ k^T                                  # (b, h, i, j), scale = 1/sqrt(d)
+    s = score_mod(s, b, h, i, j)
+    s = where(mask_mod(b, h, i, j), s, -inf)             # the block mask's mask_mod
+    out = softmax(s, dim=-1) @ v                         # a row with no visible key gives 0
+    lse = logsumexp(s, dim=-1)                           # -inf for such a row
+
+A ``BlockMask`` says, per tile of ``BLOCK_SIZE`` queries x keys, whether every position is
+visible (*full*: ``mask_mod`` is not called), some are (*partial*: it is called) or none is
+(*empty*: the tile is skipped), as torch's kernels read it.
+"""
+
+from attnkit.flex.attention import ScoreMod, flex_attention
+from attnkit.flex.block_mask import (
+    BlockMask,
+    MaskMod,
+    and_masks,
+    create_block_mask,
+    noop_mask,
+    or_masks,
+)
+
+__all__ = [
+    "BlockMask",
+    "MaskMod",
+    "ScoreMod",
+    "and_masks",
+    "create_block_mask",
+    "flex_attention",
+    "noop_mask",
+    "or_masks",
+]
