@@ -36,6 +36,8 @@ system-deps:
 
 demo: $(STAMP)
 	$(VENV)/bin/attnkit demo
+	# A small real chat model (SmolLM2-135M-Instruct, built from attnkit's blocks) answers.
+	$(VENV)/bin/attnkit generate --chat "What is the capital of France?" --max-new-tokens 32
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "attnkit.commands.show",
     "attnkit.commands.train",
     "attnkit.commands.evaluate",
+    "attnkit.commands.generate",
     "attnkit.commands.bench",
 ]
 

@@ -1,0 +1,85 @@
+"""``attnkit generate PROMPT``: continue a text (or answer a chat message) with a Llama model.
+
+The text streams to stdout as it is generated. The model is the bundled SmolLM2-135M-Instruct
+unless ``--model`` names a ``.gguf`` file or a Hugging Face Llama directory. ``--chat`` wraps
+the prompt in the model's chat template as one user message. Arguments are checked before the
+model loads; a bad prompt, number or file is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "generate", help="generate text with a small Llama model (bundled SmolLM2-135M-Instruct)"
+    )
+    p.add_argument("prompt", help='the text to continue, e.g. "Once upon a time"')
+    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many tokens")
+    p.add_argument("--chat", action="store_true", help="answer the prompt as a chat message")
+    p.add_argument("--system", default=None, help="a system message for --chat")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=None, help="stop at this text (repeatable)")
+    p.add_argument("--model", type=Path, default=None, help="a .gguf file or a Llama directory")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.set_defaults(func=run)
+
+
+def load_model(path: Path | None) -> Any:
+    """The model to generate with (tests replace this seam)."""
+    from attnkit.models.llama import load_pretrained
+
+    return load_pretrained(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnkit.models.llama_generate import Sampling
+
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty: give some text to continue")
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.threads is not None and args.threads <= 0:
+        raise ValueError(f"--threads must be a positive number, got {args.threads}")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system needs --chat")
+    if any(not s for s in args.stop or ()):
+        raise ValueError("--stop needs a non-empty text")
+    Sampling(args.temperature, args.top_k, args.top_p)  # checks the sampling arguments
+    if args.model is not None and not args.model.exists():
+        raise FileNotFoundError(f"model {str(args.model)!r} does not exist")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+    model = load_model(args.model)
+    prompt = args.prompt
+    if args.chat:
+        messages = [{"role": "user", "content": args.prompt}]
+        if args.system is not None:
+            messages.insert(0, {"role": "system", "content": args.system})
+        prompt = model.chat_prompt(messages)
+    pieces = model.stream(
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,80 @@
+"""`attnkit generate`: streams a continuation or a chat answer; bad prompts, numbers and files are
+one line on stderr and exit code 2, before the model loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit.cli import main
+from attnkit.commands import generate
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from llama_oracles import _bundled, gguf_tiny_config, write_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(gguf_tiny_config()).eval()
+    return write_gguf(tmp_path_factory.mktemp("cli") / "tiny.gguf", hf)
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.slow
+def test_chat_streams_the_bundled_answer(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(generate, "load_model", lambda path: _bundled())  # loaded once per run
+    assert main(["generate", "--chat", "What is the capital of France?"]) == 0
+    assert capsys.readouterr().out == "The capital of France is Paris.\n"
+
+
+def test_continuation_is_printed_after_the_prompt(tiny_gguf, capsys) -> None:
+    args = ["generate", "Once", "--max-new-tokens", "6", "--model", str(tiny_gguf)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    from attnkit.models.llama import load_pretrained
+
+    assert out == "Once" + load_pretrained(tiny_gguf).generate("Once", 6) + "\n"
+    assert main([*args, "--temperature", "0.8", "--top-k", "5", "--seed", "3"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["  "], "prompt is empty"),
+        (["hi", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+        (["hi", "--temperature", "-0.5"], "temperature"),
+        (["hi", "--top-p", "2"], "top_p"),
+        (["hi", "--top-k", "0"], "top_k"),
+        (["hi", "--stop", ""], "--stop"),
+        (["hi", "--system", "be brief"], "--system needs --chat"),
+        (["hi", "--threads", "0"], "--threads"),
+        (["hi", "--model", "/nonexistent/model.gguf"], "does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_loading(extra, match, capsys, monkeypatch):
+    def no_load(path):
+        raise AssertionError("the model loaded before the arguments were checked")
+
+    monkeypatch.setattr(generate, "load_model", no_load)
+    assert main(["generate", *extra]) == 2
+    assert match in _one_line(capsys)
+
+
+def test_foreign_and_truncated_files_are_one_line_and_exit_2(tiny_gguf, tmp_path, capsys):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:-100])
+    assert main(["generate", "hi", "--model", str(cut)]) == 2
+    assert "truncated" in _one_line(capsys)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(gguf_tiny_config()).eval()
+    other = write_gguf(tmp_path / "other.gguf", hf, arch="qwen2")
+    assert main(["generate", "hi", "--model", str(other)]) == 2
+    assert "'qwen2' model" in _one_line(capsys)
