@@ -191,3 +191,51 @@ def test_end_to_end_with_the_bundled_minilm(tmp_path: Path, capsys: pytest.Captu
     assert main(["show", text, "--out", str(png), "--layer", "5", "--top", "0"]) == 0
     assert mpimg.imread(png).ndim == 3
     assert capsys.readouterr().out == f"wrote {png}\n"
+
+
+# ---- --model DIR: any Hugging Face model, through attnkit.integrations.transformers_maps ----
+
+
+def test_a_model_directory_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A small random GPT-2 saved as a directory: the page holds transformers' eager weights
+    for it, and the printed links leave out its tokenizer's special tokens."""
+    transformers = pytest.importorskip("transformers", reason="the hf extra holds the oracle")
+    from attnkit.models.bert_pretrained import bundled_model_path
+
+    model_dir = tmp_path / "tiny-gpt2"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(bundled_model_path()))
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=2, n_head=4, initializer_range=0.3
+    )
+    model = transformers.GPT2Model(config).eval()
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+    text = "The cat sat on the mat."
+    out = tmp_path / "a.html"
+    assert main(["show", text, "--model", str(model_dir), "--out", str(out), "--top", "2"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"wrote {out}"
+    assert printed[1].startswith("Strongest links, layer 1, mean of 4 heads")
+    assert len(printed) == 4 and not any("[CLS]" in line for line in printed[2:])
+
+    batch = tokenizer([text], return_tensors="pt")
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        layers = model(input_ids=batch["input_ids"], output_attentions=True).attentions
+    expected = torch.stack([a[0] for a in layers])  # (l, h, i, j)
+    page = out.read_text(encoding="utf-8")
+    assert "attnkit show: attention of tiny-gpt2" in page
+    weights = _embedded_weights(page, tuple(expected.shape))
+    np.testing.assert_allclose(weights, expected.numpy(), atol=1e-6)
+
+
+def test_a_directory_without_a_model_exits_2(
+    no_model: None, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    pytest.importorskip("transformers", reason="--model needs the hf extra")
+    out = tmp_path / "a.html"
+    assert main(["show", "a b", "--model", str(tmp_path), "--out", str(out)]) == 2
+    assert "has no config.json" in _one_error_line(capsys)
+    assert not out.exists()

@@ -1,4 +1,5 @@
-"""``attnkit show TEXT``: look at the bundled MiniLM's attention for a text.
+"""``attnkit show TEXT``: look at the bundled MiniLM's attention for a text, or at any Hugging
+Face model's with ``--model DIR`` (a directory with ``config.json``, weights and tokenizer).
 
 Writes the interactive explorer (``--out x.html``, the default ``attention.html``) or a picture
 (``--out x.png`` / ``x.svg``): one head with ``--layer L --head H``, every head of a layer with
@@ -16,13 +17,20 @@ PICTURES = (".png", ".svg")
 PAGES = (".html", ".htm")
 SPECIAL_TOKENS = frozenset({"[CLS]", "[SEP]", "[PAD]", "<s>", "</s>", "<pad>"})
 BAR = "█"
+BUNDLED = "BERT attention (all-MiniLM-L6-v2)"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "show", help="look at BERT's attention for a text: HTML explorer or heat-map picture"
+        "show", help="look at a model's attention for a text: HTML explorer or heat-map picture"
     )
     parser.add_argument("text", help='the text, e.g. "The cat sat on the mat."')
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="a Hugging Face model directory (needs attnkit[hf]); default: the bundled MiniLM",
+    )
     parser.add_argument("--layer", type=int, default=None, help="layer, from 0")
     parser.add_argument("--head", type=int, default=None, help="head, from 0")
     parser.add_argument(
@@ -49,6 +57,28 @@ def encode(text: str) -> tuple[Any, list[str]]:
     return result.attentions[:, 0, :, :n, :n], tokens  # (l, b, h, i, j) -> (l, h, i, j)
 
 
+def load_hf_model(path: str) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from a Hugging Face model directory (tests replace this seam)."""
+    from attnkit.integrations.transformers_maps import load
+
+    try:  # a command prints what it did, not progress bars
+        from transformers.utils import logging
+    except ImportError:
+        pass  # load says which extra to install
+    else:
+        logging.disable_progress_bar()
+    return load(path)
+
+
+def encode_hf(text: str, path: str) -> tuple[Any, list[str], frozenset[str]]:
+    """``(attention (l, h, i, i), tokens, special tokens)`` of the model in ``path``."""
+    from attnkit.integrations.transformers_maps import attention_maps
+
+    model, tokenizer = load_hf_model(path)
+    (maps,) = attention_maps(model, tokenizer, [text])
+    return maps.attention, maps.tokens, maps.special
+
+
 def strongest_links(
     attention: Any,
     tokens: list[str],
@@ -56,11 +86,12 @@ def strongest_links(
     layer: int | None = None,
     head: int | None = None,
     top: int = 8,
+    special: frozenset[str] = SPECIAL_TOKENS,
 ) -> str:
     """A few lines of text: the ``top`` strongest query -> key links of one map.
 
     The map is ``attention[layer, head]`` (defaults: the last layer, the mean of its heads).
-    Special tokens ([CLS], [SEP], ...) and a token's link to itself are left out: they carry
+    ``special`` tokens ([CLS], [SEP], ...) and a token's link to itself are left out: they carry
     most of BERT's attention and hide the links between words.
     """
     import torch
@@ -72,7 +103,7 @@ def strongest_links(
         weights, which = att[layer].mean(dim=0), f"mean of {att.shape[1]} heads"  # (i, j)
     else:
         weights, which = att[layer, head], f"head {head}"
-    keep = torch.tensor([t not in SPECIAL_TOKENS for t in tokens])
+    keep = torch.tensor([t not in special for t in tokens])
     allowed = keep[:, None] & keep[None, :] & ~torch.eye(len(tokens), dtype=torch.bool)
     header = (
         f"Strongest links, layer {layer}, {which} "
@@ -106,6 +137,7 @@ def write_output(
     *,
     layer: int | None,
     head: int | None,
+    model: str = BUNDLED,
 ) -> Path:
     """The explorer (.html) or a heat map (.png/.svg) of ``attention`` (l, h, i, i) at ``out``."""
     from attnkit.viz.explorer import AttentionExplorer
@@ -115,7 +147,7 @@ def write_output(
         explorer = AttentionExplorer(
             attention,
             tokens,
-            title="attnkit show: BERT attention (all-MiniLM-L6-v2)",
+            title=f"attnkit show: {model}",
             text=text,
             layer=layer or 0,
             head=head or 0,
@@ -150,7 +182,12 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 0:
         raise ValueError(f"--top must be 0 or more, got {args.top}")
 
-    attention, tokens = encode(text)
+    if args.model is None:
+        attention, tokens = encode(text)
+        special, model = SPECIAL_TOKENS, BUNDLED
+    else:
+        attention, tokens, special = encode_hf(text, args.model)
+        model = f"attention of {Path(args.model).resolve().name}"
     n_layers, n_heads = attention.shape[:2]
     for value, size, name in ((args.layer, n_layers, "--layer"), (args.head, n_heads, "--head")):
         if value is not None and not 0 <= value < size:
@@ -158,8 +195,11 @@ def run(args: argparse.Namespace) -> int:
                 f"{name} {value} is out of range: the model has {size} "
                 f"{name[2:]}s, numbered 0 to {size - 1}"
             )
-    path = write_output(attention, tokens, text, out, layer=args.layer, head=args.head)
+    path = write_output(attention, tokens, text, out, layer=args.layer, head=args.head, model=model)
     print(f"wrote {path}")
     if args.top:
-        print(strongest_links(attention, tokens, layer=args.layer, head=args.head, top=args.top))
+        links = strongest_links(
+            attention, tokens, layer=args.layer, head=args.head, top=args.top, special=special
+        )
+        print(links)
     return 0
