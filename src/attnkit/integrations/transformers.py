@@ -46,7 +46,14 @@ from attnkit.functional import scaled_dot_product_attention
 from attnkit.masks import Band, MaskFn, all_of, causal_fn, materialize, window_fn
 from attnkit.registry import get_backend
 
-__all__ = ["PASSIVE", "LayerMask", "UnsupportedOption", "attention_function", "register"]
+__all__ = [
+    "PASSIVE",
+    "LayerMask",
+    "UnsupportedOption",
+    "attention_function",
+    "layer_mask",
+    "register",
+]
 
 INSTALL_HINT = "pip install 'attnkit[hf]'"
 
