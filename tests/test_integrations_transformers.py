@@ -161,6 +161,27 @@ def test_attention_weights_equal_eager(kind: str, float64_eager: None) -> None:
         assert ((ours - theirs) * real_rows).abs().max() < 1e-10
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss"])
+def test_gradients_equal_eager(kind: str, float64_eager: None) -> None:
+    """Training goes through attnkit's backward: GQA, windows (tiled, recomputing backward),
+    soft-capping and the sinks' own gradient, on a padded batch (dropout off)."""
+    model = _model(kind)
+    ids, mask = _batch(True, left=True)
+    grads = {}
+    for implementation in ("eager", NAME):
+        model.zero_grad()
+        model.set_attn_implementation(implementation)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        (logits[mask.bool()] ** 2).mean().backward()
+        grads[implementation] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    worst = max(
+        float((grads[NAME][n] - g).abs().max()) for n, g in grads["eager"].items() if g.abs().any()
+    )
+    assert worst < 1e-10
+    if kind == "gpt_oss":
+        assert grads[NAME]["model.layers.0.self_attn.sinks"].abs().max() > 1e-6
+
+
 @pytest.mark.parametrize("weights", [False, True], ids=["outputs", "weights"])
 def test_t5_relative_position_bias_equals_eager(weights: bool) -> None:
     """T5 passes its relative-position bias as ``position_bias``; encoder self-attention,
