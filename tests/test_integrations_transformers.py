@@ -494,3 +494,26 @@ def test_other_patterns_get_transformers_dense_mask() -> None:
 def test_layer_mask_prints_itself() -> None:
     layout = akt.LayerMask(Band(WINDOW - 1, 0, 0), None, (1, 1, 8, 8))
     assert str(layout) == "LayerMask (1, 1, 8, 8): band (left 4, right 0, offset 0), no padding"
+
+
+# --- an optional dependency -------------------------------------------------------------------
+
+
+def test_importing_attnkit_and_the_integration_does_not_import_transformers() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, attnkit, attnkit.integrations.transformers, "
+        "attnkit.integrations.transformers_maps; "
+        "assert 'transformers' not in sys.modules, 'transformers was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_without_transformers_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now fails
+    with pytest.raises(ImportError, match=r"pip install 'attnkit\[hf\]'"):
+        akt.register()

@@ -99,7 +99,7 @@ class UnsupportedOption(ValueError):
 def _transformers() -> Any:
     try:
         import transformers
-    except ImportError as exc:  # pragma: no cover - depends on the environment
+    except ImportError as exc:
         raise ImportError(
             f"attnkit.integrations.transformers needs Hugging Face transformers: {INSTALL_HINT}"
         ) from exc
