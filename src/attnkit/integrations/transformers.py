@@ -367,8 +367,8 @@ def _attend(
     bias = options.pop("position_bias", None)  # (b or 1, h, i, j): T5's relative bias
     is_causal = options.pop("is_causal", None)
     want_weights = bool(options.pop("output_attentions", False)) or _weights_recorded()
-    for name, value_ in options.items():
-        if name in PASSIVE or value_ is None:
+    for name, given in options.items():
+        if name in PASSIVE or given is None:
             continue
         what = _REFUSED.get(name, "an option attnkit does not know")
         raise UnsupportedOption(
@@ -414,7 +414,7 @@ def _attend(
         is_causal=causal,
         scale=scaling,
         # eager applies dropout only while training; models pass 0.0 at evaluation anyway
-        dropout_p=float(dropout) if module.training else 0.0,
+        dropout_p=float(dropout) if getattr(module, "training", False) else 0.0,
         return_weights=want_weights,
         backend=backend,
         softcap=softcap,
