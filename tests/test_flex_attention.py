@@ -84,7 +84,7 @@ def alibi(score, b, h, q_idx, kv_idx):  # Press et al. 2022, arXiv:2108.12409
 
 
 def t5_bias(table: torch.Tensor, buckets: int = 16, max_distance: int = 64):
-    """T5's bidirectional relative buckets (Raffel et al. 2020, section 2.1), from torch ops."""
+    """T5-style bidirectional relative buckets (Raffel et al. 2020, section 2.1), from torch ops."""
 
     def score_mod(score, b, h, q_idx, kv_idx):
         rel = kv_idx - q_idx
