@@ -23,6 +23,7 @@ from attnkit.blocks import (
 )
 from attnkit.debug import inspect_attention
 from attnkit.functional import scaled_dot_product_attention
+from attnkit.norms import RMSNorm
 from attnkit.positional import (
     LearnedPositionalEmbedding,
     RelativePositionAttention,
@@ -32,12 +33,13 @@ from attnkit.positional import (
     alibi_fn,
     alibi_slopes,
 )
+from attnkit.variants import AttentionVariants
 
 __version__ = "0.1.0"
 
 # Subpackages with heavier or optional dependencies load on first use: attnkit.models, .viz,
-# .train and .distributed (PEP 562).
-_LAZY = ("distributed", "models", "train", "viz")
+# .train, .distributed, .flex and .integrations (PEP 562).
+_LAZY = ("distributed", "flex", "integrations", "models", "train", "viz")
 
 
 def __getattr__(name: str) -> object:
@@ -47,10 +49,12 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "AttentionVariants",
     "FeedForward",
     "KVCache",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
+    "RMSNorm",
     "RelativePositionAttention",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
