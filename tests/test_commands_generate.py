@@ -78,3 +78,17 @@ def test_foreign_and_truncated_files_are_one_line_and_exit_2(tiny_gguf, tmp_path
     other = write_gguf(tmp_path / "other.gguf", hf, arch="qwen2")
     assert main(["generate", "hi", "--model", str(other)]) == 2
     assert "'qwen2' model" in _one_line(capsys)
+
+
+def test_show_attention_writes_the_generation_view(tiny_gguf, tmp_path, capsys) -> None:
+    out = tmp_path / "gen.html"
+    args = ["generate", "Once", "--max-new-tokens", "5", "--model", str(tiny_gguf)]
+    assert main([*args, "--show-attention", str(out)]) == 0
+    page = out.read_text(encoding="utf-8")
+    assert '"nq": 5' in page or '"nq":5' in page  # one row per generated token
+    assert "each new token" in page
+    assert capsys.readouterr().err.strip() == f"wrote {out}"
+    assert main([*args, "--show-attention", str(tmp_path / "x.png")]) == 2
+    assert ".html" in _one_line(capsys)
+    assert main([*args, "--show-attention", str(tmp_path / "no" / "x.html")]) == 2
+    assert "does not exist" in _one_line(capsys)

@@ -180,3 +180,18 @@ def test_bad_arguments_fail_before_any_work(tiny, monkeypatch, call, error, matc
     monkeypatch.setattr(tiny.model, "forward", no_forward)
     with pytest.raises(error, match=match):
         call(tiny)
+
+
+def test_attention_rows_are_what_each_cached_step_computed(tiny) -> None:
+    ids = tiny.encode("Hello there")
+    full = tiny.attention(ids).double()  # (l, h, n, n), float32 for the explorer
+    caches = tiny.model.new_caches()
+    with torch.no_grad():
+        first = tiny.model(torch.tensor([ids[:4]]), caches=caches, need_weights=True)
+        steps = [tiny.model(torch.tensor([[t]]), caches=caches, need_weights=True) for t in ids[4:]]
+    prefill = torch.stack([w[0] for w in first.weights])
+    torch.testing.assert_close(prefill, full[:, :, :4, :4], atol=1e-6, rtol=0)
+    for k, step in enumerate(steps):
+        row = 4 + k
+        cached = torch.stack([w[0, :, 0] for w in step.weights])  # (l, h, row + 1)
+        torch.testing.assert_close(cached, full[:, :, row, : row + 1], atol=1e-6, rtol=0)

@@ -2,8 +2,11 @@
 
 The text streams to stdout as it is generated. The model is the bundled SmolLM2-135M-Instruct
 unless ``--model`` names a ``.gguf`` file or a Hugging Face Llama directory. ``--chat`` wraps
-the prompt in the model's chat template as one user message. Arguments are checked before the
-model loads; a bad prompt, number or file is one line on stderr and exit code 2.
+the prompt in the model's chat template as one user message. ``--show-attention out.html``
+also writes the attention explorer in its generation view: one row per generated token, its
+attention over the prompt and the earlier tokens (the KV cache), for every layer and head.
+Arguments are checked before the model loads; a bad prompt, number or file is one line on
+stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop at this text (repeatable)")
     p.add_argument("--model", type=Path, default=None, help="a .gguf file or a Llama directory")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument(
+        "--show-attention",
+        type=Path,
+        default=None,
+        metavar="OUT.html",
+        help="write each generated token's attention over the prompt and cache (explorer page)",
+    )
     p.set_defaults(func=run)
 
 
@@ -55,6 +65,12 @@ def run(args: argparse.Namespace) -> int:
     Sampling(args.temperature, args.top_k, args.top_p)  # checks the sampling arguments
     if args.model is not None and not args.model.exists():
         raise FileNotFoundError(f"model {str(args.model)!r} does not exist")
+    if args.show_attention is not None:
+        from attnkit._io import check_writable
+
+        if args.show_attention.suffix.lower() not in (".html", ".htm"):
+            raise ValueError(f"--show-attention writes an .html page, got {args.show_attention}")
+        check_writable(args.show_attention)
     if args.threads:
         import torch
 
@@ -67,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         if args.system is not None:
             messages.insert(0, {"role": "system", "content": args.system})
         prompt = model.chat_prompt(messages)
+    generated: list[int] = []
     pieces = model.stream(
         prompt,
         args.max_new_tokens,
@@ -75,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         stop=args.stop,
+        on_token=generated.append,
     )
     if not args.chat:
         sys.stdout.write(args.prompt)
@@ -82,4 +100,28 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if args.show_attention is not None:
+        path = write_generation_view(model, model.encode(prompt), generated, args.show_attention)
+        print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def write_generation_view(model: Any, prompt: list[int], new: list[int], path: Path) -> Path:
+    """The explorer with one query row per generated token and a key per position."""
+    from attnkit.viz.explorer import AttentionExplorer
+
+    if not new:
+        raise ValueError("nothing was generated, so there is no attention to show")
+    ids = prompt + new
+    # Row t is computed by the step that produced token t + 1, so the rows that produced the
+    # generated tokens are the last prompt position and every generated one but the last.
+    rows = model.attention(ids)[:, :, len(prompt) - 1 : len(ids) - 1]  # (l, h, new, n)
+    names = [model.tokenizer.decode([t], skip_special=False) for t in ids]
+    return AttentionExplorer(
+        rows.numpy(),
+        [f"→ {name}" for name in names[len(prompt) :]],
+        names,
+        title="Generation: each new token's attention over the prompt and the cache",
+        text=model.decode(new),
+        rollout=False,
+    ).save(path)

@@ -352,19 +352,43 @@ class PretrainedLlama:
         top_p: float | None = None,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        on_token: Callable[[int], object] | None = None,
     ) -> Iterator[str]:
         """The continuation of one prompt as pieces of text, each yielded as soon as it is
         certain: a token that ends inside a UTF-8 character, or text that may be the start of a
         ``stop`` string, waits for the next token. Stops at the end-of-sequence token, at a
-        ``stop`` string (not included) or after ``max_new_tokens``. Arguments are checked here,
+        ``stop`` string (not included) or after ``max_new_tokens``. ``on_token`` is called with
+        each generated token id (the end-of-sequence id included). Arguments are checked here,
         before the first token."""
         stops = _stop_strings(stop)
         steps = self.steps(prompt, max_new_tokens, temperature, top_k, top_p, seed)
         prompts = next(steps)
         if len(prompts) != 1:
             raise ValueError(f"stream takes one prompt, got {len(prompts)}: use generate")
-        tokens = (int(step[0]) for step in steps)
-        return _text_pieces(self.tokenizer, tokens, self.eos_id, stops)
+
+        def tokens() -> Iterator[int]:
+            for step in steps:
+                token = int(step[0])
+                if on_token is not None:
+                    on_token(token)
+                yield token
+
+        return _text_pieces(self.tokenizer, tokens(), self.eos_id, stops)
+
+    def attention(self, ids: Sequence[int] | Tensor) -> Tensor:
+        """Every layer's attention for one token sequence, ``(l, h, n, n)`` float32; row ``t`` is
+        what token ``t`` attends to (keys ``0..t``).
+
+        During generation the step that produces token ``t + 1`` computes exactly row ``t``
+        (the cache holds the keys of the earlier positions), so the rows of generated tokens
+        are the generation's attention over the prompt and the cache."""
+        if isinstance(ids, Tensor):
+            ids = ids.tolist()
+        x = torch.tensor([list(ids)], device=self.model.embed.weight.device)  # (1, n)
+        with torch.no_grad():
+            out = self.model(x, need_weights=True)
+        assert out.weights is not None
+        return torch.stack([w[0] for w in out.weights]).float()  # (l, h, n, n)
 
     def generate(
         self,
