@@ -41,6 +41,25 @@ def test_logits_equal_transformers(bundled, hf_bundled, n: int) -> None:
     assert error <= 1e-4, error
 
 
+def test_the_whole_difference_is_rope_angles_in_float32(bundled, hf_bundled, monkeypatch):
+    """attnkit computes RoPE angles in float64; transformers in float32 (``inv_freq`` and
+    ``position * inv_freq``). With transformers' float32 angles the logits are bit-identical:
+    every other step computes the same thing in the same order."""
+    from attnkit.positional import RotaryEmbedding
+
+    def float32_angles(self, positions, *, device=None):
+        d = self.head_dim
+        inv_freq = 1.0 / self.base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+        angle = positions.float().unsqueeze(-1) * inv_freq  # (..., n, d/2), float32
+        angle = torch.cat([angle, angle], dim=-1)
+        return angle.cos().to(device), angle.sin().to(device)
+
+    monkeypatch.setattr(RotaryEmbedding, "cos_sin_at", float32_angles)
+    ids = _prompt_of(bundled, 150)
+    with torch.no_grad():
+        assert torch.equal(bundled.model(ids).logits, hf_bundled(ids).logits)
+
+
 @pytest.mark.parametrize(
     "prompt",
     [
