@@ -12,12 +12,21 @@ is plain Python on integers: it costs nothing next to a tile's matmul.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from torch import Tensor
 
-__all__ = ["Band", "Structure", "StructuredFn", "all_of", "declare", "relative", "structure_of"]
+__all__ = [
+    "Band",
+    "Structure",
+    "StructuredFn",
+    "all_of",
+    "block_ranges",
+    "declare",
+    "relative",
+    "structure_of",
+]
 
 IndexFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """``fn(b, h, i, j)``: a mask function (bool out) or a bias function (float out)."""
@@ -202,8 +211,14 @@ def _layout_keys(s: Structure, i0: int, i1: int, j0: int, j1: int) -> list[tuple
     kept: set[int] = set()
     for row in range(max(i0, 0) // block, min(i1 - 1, len(rows) * block - 1) // block + 1):
         kept.update(rows[row])
+    return block_ranges(kept, block, j0, j1)
+
+
+def block_ranges(columns: Iterable[int], block: int, j0: int, j1: int) -> list[tuple[int, int]]:
+    """The keys of block columns ``columns`` (blocks of ``block`` keys) within ``[j0, j1)``, as
+    sorted, disjoint ranges with neighbouring blocks merged."""
     ranges: list[tuple[int, int]] = []
-    for col in sorted(kept):
+    for col in sorted(columns):
         lo, hi = max(j0, col * block), min(j1, (col + 1) * block)
         if hi <= lo:
             continue

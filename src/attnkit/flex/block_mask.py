@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit._structure import block_ranges
 from attnkit.masks import StructuredFn, declare
 
 __all__ = [
@@ -314,16 +315,7 @@ class _BlockMaskFn:
                 for c in self.kept_cols[r]
             }
         )
-        ranges: list[tuple[int, int]] = []
-        for c in cols:
-            lo, hi = max(j0, c * self.kv_bs), min(j1, (c + 1) * self.kv_bs)
-            if hi <= lo:
-                continue
-            if ranges and ranges[-1][1] == lo:
-                ranges[-1] = (ranges[-1][0], hi)
-            else:
-                ranges.append((lo, hi))
-        return ranges
+        return block_ranges(cols, self.kv_bs, j0, j1)
 
     def __call__(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
         qb0, qb1 = int(i.min()) // self.q_bs, int(i.max()) // self.q_bs
