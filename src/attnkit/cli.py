@@ -6,7 +6,9 @@ inside those functions, so ``attnkit --help`` stays fast.
 
 Errors the user can fix (bad arguments, missing files, bad shapes) are ``ValueError``,
 ``TypeError``, ``FileNotFoundError`` or ``PermissionError``: they print one line on stderr and
-exit with code 2, never a traceback.
+exit with code 2, never a traceback. So is a missing optional package (``ImportError``): the
+line names the extra that installs it (``pip install 'attnkit[bert]'``, see
+``attnkit.commands.extras``), and each command checks its packages before doing any work.
 """
 
 from __future__ import annotations
@@ -56,10 +58,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)
         return 2
+    from attnkit.commands import extras
+
     try:
+        extras.require(args)  # before any work: a missing package leaves no files behind
         return int(args.func(args) or 0)
     except USER_ERRORS as exc:
         print(f"attnkit {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        line = extras.install_line(exc, extras.prefer(args.command))
+        if line is None:  # attnkit's own module: a bug, keep its traceback
+            raise
+        print(f"attnkit {args.command}: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"attnkit {args.command}: interrupted", file=sys.stderr)
