@@ -88,11 +88,12 @@ def worker(kind: str, n: int, implementation: str) -> dict[str, float]:
         model(input_ids=ids[:, :128])  # first-call costs (rotary tables, dispatch) out of the way
         before = _status_kb("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         out = model(input_ids=ids).last_hidden_state
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     assert out.shape == (1, n, HIDDEN) and bool(torch.isfinite(out).all())
-    return {"seconds": seconds, "peak_mib": (_status_kb("VmHWM") - before) / 1024}
+    peak = (_status_kb("VmHWM") - before) / 1024
+    return {"seconds": seconds, "cpu_seconds": cpu, "peak_mib": peak}
 
 
 def _run_worker(kind: str, n: int, implementation: str, threads: int) -> dict[str, float]:
@@ -134,12 +135,9 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 order = chosen[r % len(chosen) :] + chosen[: r % len(chosen)]
                 for impl in order:
                     results[impl].append(_run_worker(kind, n, impl, args.threads))
-            row: dict = {"model": kind, "n": n}
+            row: dict = {"model": kind, "n": n, "load": os.getloadavg()[0]}
             for impl, runs in results.items():
-                row[impl] = {
-                    "seconds": statistics.median(x["seconds"] for x in runs),
-                    "peak_mib": statistics.median(x["peak_mib"] for x in runs),
-                }
+                row[impl] = {key: statistics.median(x[key] for x in runs) for key in runs[0]}
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -156,11 +154,14 @@ def markdown(rows: list[dict], args: argparse.Namespace, load: float) -> str:
         f"same with a {WINDOW:,}-token sliding window), with `attn_implementation` = `attnkit`, "
         "`sdpa` (transformers' torch SDPA path) and `eager`. Each cell: one fresh process per "
         f"call, median of {args.repeats} interleaved round(s); peak = rise of the resident set "
-        "during the forward (model and ids already allocated). Eager is not run where its score "
-        f"matrices would pass {args.max_eager_gib:g} GiB. Speed = sdpa time / attnkit time; "
-        "memory = attnkit peak / sdpa peak.",
+        "during the forward (model and ids already allocated). Times are wall seconds with the "
+        "process's CPU seconds in parentheses (less sensitive to other load on the machine). "
+        f"Eager is not run where its score matrices would pass {args.max_eager_gib:g} GiB. Speed "
+        "= sdpa time / attnkit time (wall, and CPU in parentheses); memory = attnkit peak / sdpa "
+        "peak.",
         "",
-        f"CPU: {cpu_model()}; {environment()}; 1-minute load average {load:.1f} at the start.",
+        f"CPU: {cpu_model()}; {environment()}; 1-minute load average {load:.1f} at the start, "
+        f"at most {max(row['load'] for row in rows):.1f} after a cell.",
         "",
         "| model | n | attnkit (s) | sdpa (s) | eager (s) | speed vs sdpa | attnkit peak (MiB) "
         "| sdpa peak (MiB) | eager peak (MiB) | memory vs sdpa |",
@@ -168,16 +169,24 @@ def markdown(rows: list[dict], args: argparse.Namespace, load: float) -> str:
     ]
     for row in rows:
         ours, sdpa, eager = row["attnkit"], row["sdpa"], row.get("eager")
-        eager_s = f"{eager['seconds']:.2f}" if eager else "not run"
         eager_m = f"{eager['peak_mib']:.0f}" if eager else f"(~{eager_gib(row['n']):.0f} GiB)"
         lines.append(
-            f"| {row['model']} | {row['n']:,} | {ours['seconds']:.2f} | {sdpa['seconds']:.2f} "
-            f"| {eager_s} | {sdpa['seconds'] / ours['seconds']:.2f}x | {ours['peak_mib']:.0f} "
-            f"| {sdpa['peak_mib']:.0f} | {eager_m} "
+            f"| {row['model']} | {row['n']:,} | {_time(ours)} | {_time(sdpa)} | {_time(eager)} "
+            f"| {_speed(row)} | {ours['peak_mib']:.0f} | {sdpa['peak_mib']:.0f} | {eager_m} "
             f"| {ours['peak_mib'] / max(sdpa['peak_mib'], 1e-9):.2f} |"
         )
     lines += ["", *verdicts(rows)]
     return "\n".join(lines)
+
+
+def _time(cell: dict | None) -> str:
+    return "not run" if cell is None else f"{cell['seconds']:.2f} ({cell['cpu_seconds']:.1f})"
+
+
+def _speed(row: dict) -> str:
+    wall = row["sdpa"]["seconds"] / row["attnkit"]["seconds"]
+    cpu = row["sdpa"]["cpu_seconds"] / row["attnkit"]["cpu_seconds"]
+    return f"{wall:.2f}x ({cpu:.2f}x)"
 
 
 def verdicts(rows: list[dict]) -> list[str]:
