@@ -18,3 +18,21 @@ def test_readme_has_snippets() -> None:
 @pytest.mark.parametrize("index", range(len(SNIPPETS)))
 def test_readme_snippet_runs(index: int) -> None:
     exec(compile(SNIPPETS[index], f"README.md snippet {index}", "exec"), {"__name__": "__readme__"})
+
+
+def test_install_comes_before_the_clone_set_up() -> None:
+    text = README.read_text(encoding="utf-8")
+    install = text.index("## Install\n")
+    assert install < text.index("pip install 'attnkit[viz,bert]'") < text.index("make demo")
+
+
+def test_the_licence_is_declared_once_and_shipped() -> None:
+    import tomllib
+
+    root = README.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "MIT" and project["license-files"] == ["LICENSE"]
+    assert (root / "LICENSE").read_text().startswith("MIT License")
+    assert not any(c.startswith("License ::") for c in project["classifiers"])  # SPDX says it
+    # The tests need the whole checkout, so the sdist leaves them out (MANIFEST.in).
+    assert "prune tests" in (root / "MANIFEST.in").read_text().splitlines()
