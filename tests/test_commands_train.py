@@ -55,6 +55,7 @@ def test_resume_of_a_finished_run_changes_nothing(run_dir, tmp_path):
 
 def test_resume_without_a_trainer_state_is_one_line_exit_2(run_dir, tmp_path, capsys):
     empty = tmp_path / "empty"
+    empty.mkdir()  # a folder, but no run in it (a missing folder: the bad-input test below)
     assert main(["train", "iris", "--seed", "1", "--out", str(empty), "--resume", *TINY]) == 2
     err = capsys.readouterr().err.strip()
     assert "holds no checkpoint" in err and len(err.splitlines()) == 1
@@ -64,3 +65,69 @@ def test_resume_without_a_trainer_state_is_one_line_exit_2(run_dir, tmp_path, ca
     assert main(["train", "iris", "--seed", "1", "--out", str(started), "--resume", *TINY]) == 2
     err = capsys.readouterr().err.strip()
     assert "has no trainer_state.json (--resume needs it" in err and len(err.splitlines()) == 1
+
+
+# ---------------------------------------------------------------- bad input: before any work
+
+
+def _code(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as stop:  # argparse's usage errors
+        return int(stop.code)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        ("iris --layers 0", "--layers: '0' is not a whole number of at least 1"),
+        ("iris --d-model 0", "--d-model: '0' is not a whole number of at least 1"),
+        ("iris --heads -1", "--heads: '-1' is not"),
+        ("iris --threads -2", "--threads: '-2' is not a whole number of at least 1"),
+        ("iris --threads 0", "--threads: '0' is not"),
+        ("iris --seed -1", "--seed: '-1' is not a whole number of at least 0"),
+        ("iris --epochs 0", "--epochs: '0' is not"),
+        ("iris --batch-size 0", "--batch-size: '0' is not"),
+        ("iris --lr 0", "--lr: '0' is not a number above 0"),
+        ("iris --lr nan", "--lr: 'nan' is not a number above 0"),
+        ("iris --patience -1", "--patience: '-1' is not"),
+        ("iris --layers two", "--layers: 'two' is not"),
+        ("text --limit-train -5", "--limit-train: '-5' is not a whole number of at least 1"),
+        ("text --max-len 0", "--max-len: '0' is not a whole number of at least 1"),
+        ("iris --max-len 32", "--max-len: only the text task reads this; iris does not"),
+        ("iris --limit-train 10", "--limit-train: only the text task reads this"),
+        ("iris --freeze-layers 2", "--freeze-layers: only the text task reads this"),
+        ("iris --max-len 8 --limit-train 9", "--max-len, --limit-train: only the text task"),
+        ("iris --variant pretrained", "--variant pretrained is for the text task"),
+        ("text --freeze-layers 2", "--freeze-layers is for --variant pretrained"),
+        ("text --variant pretrained --layers 2", "--d-model/--heads/--layers are for the scratch"),
+        ("iris --resume --overwrite", "--resume continues the saved run and --overwrite"),
+        ("iris --resume", "--resume: there is no run at 'runs/iris-seed0' to continue"),
+        ("iris --out a_file", "--out 'a_file' is a file; give a directory for the run"),
+        ("iris --out a_file/run", "'a_file' is a file, not a directory"),
+        ("nonsense", "invalid choice: 'nonsense'"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_creates_nothing(
+    tmp_path, monkeypatch, capsys, argv, words
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("not a run")
+    assert _code(["train", *argv.split()]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("attnkit train: error: ") and words in err, err
+    assert captured.out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_a_second_run_into_an_existing_one_needs_overwrite(run_dir, tmp_path, capsys):
+    again = copy_run(run_dir, tmp_path)
+    before = sorted(p.name for p in again.iterdir())
+    assert main(["train", "iris", "--seed", "1", "--out", str(again), *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "already holds a run" in err and "--overwrite" in err
+    assert sorted(p.name for p in again.iterdir()) == before
+    assert main(["train", "iris", "--seed", "2", "--out", str(again), "--overwrite", *TINY]) == 0
+    assert json.loads((again / "metrics.json").read_text())["seed"] == 2

@@ -17,6 +17,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 # One line per subcommand module; order is the order of `attnkit --help`.
 COMMAND_MODULES = [
@@ -28,7 +29,15 @@ COMMAND_MODULES = [
     "attnkit.commands.bench",
 ]
 
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, PermissionError, IsADirectoryError)
+USER_ERRORS = (
+    ValueError,
+    TypeError,
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+)
 
 
 def _version() -> str:
@@ -41,8 +50,17 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line (``attnkit train: error: ...``) and exit
+    code 2, like every other user error; ``--help`` still shows the usage. Subcommand parsers
+    are made of the same class (``add_subparsers`` uses the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="attnkit", description="Attention mechanisms you can read, run and look at."
     )
     parser.add_argument("--version", action="version", version=f"attnkit {_version()}")

@@ -1,4 +1,10 @@
-"""``attnkit train iris|text``: the worked examples that learn (see ``attnkit.tasks``)."""
+"""``attnkit train iris|text``: the worked examples that learn (see ``attnkit.tasks``).
+
+Every option is checked before any work (argparse types, then ``check``): a bad number, an
+option the task does not use, an ``--out`` that is a file, a second run into an existing one
+without ``--overwrite`` or a ``--resume`` with nothing to resume are one line and exit 2, and
+nothing is created.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,26 @@ if TYPE_CHECKING:
     from attnkit.train.loop import TrainConfig
 
 
+def _number(kind: type, least: float, words: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {words}") from None
+        if not value >= least:  # also refuses a NaN
+            raise argparse.ArgumentTypeError(f"{text!r} is not {words}")
+        return value
+
+    parse.__name__ = words  # argparse names the type in its messages
+    return parse
+
+
+POSITIVE = _number(int, 1, "a whole number of at least 1")
+NATURAL = _number(int, 0, "a whole number of at least 0")
+POSITIVE_FLOAT = _number(float, 1e-300, "a number above 0")
+TEXT_ONLY = ("max_len", "limit_train", "freeze_layers")  # options only the text task reads
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
@@ -20,7 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "pictures go to --out (default runs/TASK[-VARIANT]-seedN).",
     )
     p.add_argument("task", choices=["iris", "text"])
-    p.add_argument("--seed", type=int, default=0, help="seeds the split, the weights, the order")
+    p.add_argument(
+        "--seed", type=NATURAL, default=0, help="seeds the split, the weights, the order"
+    )
     p.add_argument("--out", type=Path, default=None, help="checkpoint directory")
     p.add_argument(
         "--variant",
@@ -28,29 +56,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="scratch",
         help="text only: from-scratch model or fine-tuned MiniLM",
     )
-    p.add_argument("--epochs", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--patience", type=int, default=None, help="0 = no early stopping")
-    p.add_argument("--d-model", type=int, default=None)
-    p.add_argument("--heads", type=int, default=None)
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--max-len", type=int, default=64, help="text: tokens per snippet")
+    p.add_argument("--epochs", type=POSITIVE, default=None)
+    p.add_argument("--batch-size", type=POSITIVE, default=None)
+    p.add_argument("--lr", type=POSITIVE_FLOAT, default=None)
+    p.add_argument("--patience", type=NATURAL, default=None, help="0 = no early stopping")
+    p.add_argument("--d-model", type=POSITIVE, default=None)
+    p.add_argument("--heads", type=POSITIVE, default=None)
+    p.add_argument("--layers", type=POSITIVE, default=None)
+    p.add_argument("--max-len", type=POSITIVE, default=None, help="text: tokens per snippet (64)")
     p.add_argument(
         "--freeze-layers",
-        type=int,
+        type=NATURAL,
         default=None,
         help="pretrained: freeze embeddings and this many lower layers",
     )
-    p.add_argument("--limit-train", type=int, default=None, help="text: use N training snippets")
+    p.add_argument(
+        "--limit-train", type=POSITIVE, default=None, help="text: use N training snippets"
+    )
     p.add_argument(
         "--threads",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="torch threads (default 1, 2 for the pretrained model; on a busy machine use 1: "
         "two threads that wait for each other can be 20x slower)",
     )
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    p.add_argument("--overwrite", action="store_true", help="replace the run saved in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -67,7 +98,49 @@ def _train_config(args: argparse.Namespace, default: TrainConfig) -> TrainConfig
     return replace(default, **{k: v for k, v in changes.items() if v is not None})
 
 
+def out_dir(args: argparse.Namespace) -> Path:
+    variant = args.variant if args.task == "text" else "scratch"
+    suffix = f"-{variant}" if args.task == "text" else ""
+    return args.out or Path("runs") / f"{args.task}{suffix}-seed{args.seed}"
+
+
+def check(args: argparse.Namespace) -> Path:
+    """Refuse what cannot work, before anything is created; returns the output directory."""
+    import os
+
+    if args.task == "iris":
+        if args.variant != "scratch":
+            raise ValueError("--variant pretrained is for the text task; iris has one model")
+        if any(getattr(args, name) is not None for name in TEXT_ONLY):
+            used = [f"--{n.replace('_', '-')}" for n in TEXT_ONLY if getattr(args, n) is not None]
+            raise ValueError(f"{', '.join(used)}: only the text task reads this; iris does not")
+    elif args.variant == "scratch" and args.freeze_layers is not None:
+        raise ValueError("--freeze-layers is for --variant pretrained (the scratch model has none)")
+    elif args.variant == "pretrained" and (args.d_model or args.heads or args.layers):
+        raise ValueError("--d-model/--heads/--layers are for the scratch model")
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the saved run and --overwrite replaces it: pick one")
+    out = out_dir(args)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {str(out)!r} is a file; give a directory for the run")
+    if args.resume:
+        if not out.is_dir():
+            raise FileNotFoundError(f"--resume: there is no run at {str(out)!r} to continue")
+    elif out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise FileExistsError(
+            f"{str(out)!r} already holds a run: --resume to continue it, --overwrite to replace "
+            "it, or another --out"
+        )
+    parent = next((p for p in [out, *out.parents] if p.exists()), Path("."))
+    if not parent.is_dir():
+        raise FileExistsError(f"--out {str(out)!r}: {str(parent)!r} is a file, not a directory")
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"--out {str(out)!r}: {str(parent)!r} is not writable")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
+    check(args)  # before joining a process group or creating anything
     # Under `torchrun --nproc_per_node=W -m attnkit.cli train ...` every process runs this:
     # setup() joins the process group (gloo), training is data parallel (DDP) and only
     # rank 0 writes files and prints. Without torchrun it is a world of one.
@@ -86,10 +159,7 @@ def _run(args: argparse.Namespace, env: DistEnv, say: Callable[..., None]) -> in
     from attnkit._io import check_writable
 
     variant = args.variant if args.task == "text" else "scratch"
-    if args.task == "iris" and args.variant != "scratch":
-        raise ValueError("--variant pretrained is for the text task; iris has one model")
-    suffix = f"-{variant}" if args.task == "text" else ""
-    out = args.out or Path("runs") / f"{args.task}{suffix}-seed{args.seed}"
+    out = out_dir(args)
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
     from attnkit.distributed import ddp
@@ -132,8 +202,6 @@ def _run(args: argparse.Namespace, env: DistEnv, say: Callable[..., None]) -> in
         from attnkit.tasks.text import PRETRAINED_TRAIN, SCRATCH_TRAIN, TextRun, train_text
 
         if variant == "pretrained":
-            if sizes:
-                raise ValueError("--d-model/--heads/--layers are for the scratch model")
             model_config = (
                 {} if args.freeze_layers is None else {"freeze_layers": args.freeze_layers}
             )
@@ -145,7 +213,7 @@ def _run(args: argparse.Namespace, env: DistEnv, say: Callable[..., None]) -> in
             seed=args.seed,
             model=model_config,
             train=_train_config(args, default),
-            max_len=args.max_len,
+            max_len=args.max_len or TextRun.max_len,
             limit_train=args.limit_train,
         )
         m = train_text(run, out=out, resume=args.resume, progress=progress)
