@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from attnkit.cli import main
-from attnkit.commands.bench import available, benchmarks_dir
+from attnkit.commands.bench import available, benchmarks_dir, script_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,3 +34,13 @@ def test_arguments_pass_through() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "--quick" in proc.stdout and "--sizes" in proc.stdout
+
+
+def test_the_docs_are_written_only_with_write() -> None:
+    folder = benchmarks_dir()
+    attention, flex = folder / "attention.py", folder / "flex.py"  # --no-write / --write scripts
+    assert script_args(attention, ["--quick"]) == ["--quick", "--no-write"]
+    assert script_args(attention, ["--quick", "--write"]) == ["--quick"]
+    assert script_args(attention, ["--no-write"]) == ["--no-write"]
+    assert script_args(flex, ["--quick"]) == ["--quick"]
+    assert script_args(flex, ["--write"]) == ["--write"]

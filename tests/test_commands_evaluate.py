@@ -18,14 +18,54 @@ from train_runs import run_dir as run_dir
 pytestmark = pytest.mark.slow  # trains a (tiny) model first
 
 
-def test_evaluate_reproduces_the_training_metrics(run_dir, capsys):
-    assert main(["evaluate", str(run_dir)]) == 0
+def test_evaluate_reproduces_the_training_metrics(run_dir, tmp_path, capsys):
+    out = tmp_path / "evaluation.json"
+    before = sorted(p.name for p in run_dir.iterdir())
+    assert main(["evaluate", str(run_dir), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # the run is only read
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    again = json.loads((run_dir / "evaluation.json").read_text())
+    again = json.loads(out.read_text())
     for key in ("train_accuracy", "val_accuracy", "test_accuracy", "params"):
         assert again[key] == metrics[key]
-    assert f"{metrics['test_accuracy']:.4f}" in printed
+    assert f"{metrics['test_accuracy']:.4f}" in printed and f"wrote {out}" in printed
+
+
+def test_evaluate_a_read_only_run_prints_and_writes_nothing(run_dir, tmp_path, capsys):
+    frozen = copy_run(run_dir, tmp_path)
+    for path in [frozen, *frozen.rglob("*")]:
+        if path.is_dir() and not path.is_symlink():
+            path.chmod(0o555)
+    try:
+        assert main(["evaluate", str(frozen)]) == 0
+    finally:
+        for path in [frozen, *frozen.rglob("*")]:
+            if path.is_dir() and not path.is_symlink():
+                path.chmod(0o755)
+    assert "test acc" in capsys.readouterr().out
+    assert not (frozen / "evaluation.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--out", "metrics.txt"], "give a .json file"),
+        (["--out", "missing/e.json"], "does not exist"),
+        (["--threads", "0"], "--threads: '0' is not"),
+    ],
+)
+def test_bad_evaluate_options_are_one_line_and_write_nothing(
+    run_dir, tmp_path, monkeypatch, capsys, args, words
+):
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(["evaluate", str(run_dir), *args])
+    except SystemExit as stop:
+        code = stop.code
+    assert code == 2
+    err = _one_line(capsys)
+    assert words in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def _one_line(capsys) -> str:
@@ -58,7 +98,6 @@ def test_a_flipped_byte_in_any_checkpoint_file_is_named_never_a_silent_result(
     run_dir, tmp_path, capsys, name
 ):
     bad = copy_run(run_dir, tmp_path)
-    (bad / "evaluation.json").unlink(missing_ok=True)  # from an earlier test's evaluation
     path = open_checkpoint(bad).directory / name
     data = bytearray(path.read_bytes())
     for k in range(len(data) // 2, len(data) // 2 + 4):  # flip four bytes in the middle
@@ -67,7 +106,6 @@ def test_a_flipped_byte_in_any_checkpoint_file_is_named_never_a_silent_result(
     assert main(["evaluate", str(bad)]) == 2
     err = _one_line(capsys)
     assert str(path) in err and "damaged" in err
-    assert not (bad / "evaluation.json").exists()
 
 
 def test_a_config_without_its_model_is_one_line_exit_2(run_dir, tmp_path, capsys):

@@ -2,7 +2,9 @@
 
 The benchmark scripts live next to ``src/`` in a checkout, not in the installed package, so
 this command finds them relative to the package (``<checkout>/benchmarks``) and passes every
-remaining argument through: ``attnkit bench attention --quick``.
+remaining argument through: ``attnkit bench attention --quick``. A benchmark writes its section
+of the tracked ``docs/benchmarks.md`` only when asked, with ``--write``: for the scripts that
+write unless told ``--no-write``, this command adds ``--no-write`` when ``--write`` is absent.
 """
 
 from __future__ import annotations
@@ -47,4 +49,13 @@ def run(args: argparse.Namespace) -> int:
             f"unknown benchmark {args.name!r}; available: {', '.join(names) or '(none)'}"
         )
     script = folder / f"{args.name}.py"
-    return subprocess.call([sys.executable, str(script), *args.args])
+    return subprocess.call([sys.executable, str(script), *script_args(script, args.args)])
+
+
+def script_args(script: Path, given: list[str]) -> list[str]:
+    """The arguments for ``script``: it writes the docs only if ``--write`` is among them."""
+    if '"--no-write"' not in script.read_text(encoding="utf-8"):
+        return list(given)  # the script writes only with --write already (or never)
+    if "--write" in given:
+        return [a for a in given if a != "--write"]
+    return [*given, "--no-write"] if "--no-write" not in given else list(given)

@@ -1,9 +1,15 @@
-"""``attnkit evaluate CHECKPOINT_DIR``: re-test a saved model on its own split."""
+"""``attnkit evaluate CHECKPOINT_DIR``: re-test a saved model on its own split.
+
+Prints a table on stdout; ``--out FILE.json`` also writes the metrics there. The checkpoint
+directory is only read (it may be read-only, or another user's run).
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from attnkit.commands.train import POSITIVE
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -11,18 +17,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "evaluate", help="re-test a checkpoint written by `attnkit train`; prints a table"
     )
     p.add_argument("checkpoint", type=Path, help="the directory `attnkit train --out` wrote")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--out", type=Path, default=None, help="also write the metrics to this .json")
+    p.add_argument("--threads", type=POSITIVE, default=None, help="torch threads")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from attnkit._io import check_writable
     from attnkit.tasks.registry import evaluate_checkpoint, format_table
+    from attnkit.train.checkpoint import save_json
 
+    if args.out is not None:
+        if args.out.suffix.lower() != ".json":
+            raise ValueError(f"--out writes the metrics as JSON: give a .json file, got {args.out}")
+        check_writable(args.out)  # fail before the heavy work
     if args.threads:
         torch.set_num_threads(args.threads)
-    m = evaluate_checkpoint(args.checkpoint)
+    m = evaluate_checkpoint(args.checkpoint, write=False)
     header = ["checkpoint", "train acc", "val acc", "test acc", "params", "seconds"]
     row = [
         str(args.checkpoint),
@@ -33,4 +46,6 @@ def run(args: argparse.Namespace) -> int:
         m["seconds"],
     ]
     print(format_table([row], header))
+    if args.out is not None:
+        print(f"wrote {save_json(args.out, m)}")
     return 0
