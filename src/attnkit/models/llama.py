@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnkit._numerics import compute_dtype
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.blocks import FeedForward
 from attnkit.models.llama_config import LlamaConfig
@@ -155,13 +156,15 @@ class LlamaModel(nn.Module):
         return [KVCache(max_len) for _ in self.blocks]
 
     def angles(self, n: int, offset: int, padding: Tensor | None, device: torch.device) -> _Angles:
-        """RoPE angles for the ``n`` new positions after ``offset`` cached ones."""
+        """RoPE angles for the ``n`` new positions after ``offset`` cached ones, cast once to
+        the dtype the rotation computes in (every layer reuses them)."""
         if padding is None:
             cos, sin = self.rope.cos_sin(n, offset, device=device)  # (i, d)
-            return _Angles(cos, sin)
-        positions = (padding.long().cumsum(-1) - 1).clamp(min=0)  # (b, j): real tokens before
-        cos, sin = self.rope.cos_sin_at(positions[:, None, -n:], device=device)  # (b, 1, i, d)
-        return _Angles(cos, sin)
+        else:
+            positions = (padding.long().cumsum(-1) - 1).clamp(min=0)  # (b, j): real tokens before
+            cos, sin = self.rope.cos_sin_at(positions[:, None, -n:], device=device)  # (b, 1, i, d)
+        dtype = compute_dtype(self.embed.weight.dtype)
+        return _Angles(cos.to(dtype), sin.to(dtype))
 
     def forward(
         self,
