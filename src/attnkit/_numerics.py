@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "all_finite",
     "attention_op",
     "autocast_dtype",
     "blocked",
@@ -101,6 +102,13 @@ def attention_op(fn: F) -> F:
             return fn(query, key, value, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def all_finite(*tensors: Tensor | None) -> bool:
+    """Whether every entry of the tensors is finite, by one sum per tensor (a NaN or an
+    infinity makes the sum non-finite). A sum that overflows on finite entries also answers
+    False: the caller then takes its careful path, which is right, only slower."""
+    return all(bool(torch.isfinite(t.sum())) for t in tensors if t is not None and t.numel())
 
 
 def poison(out: Tensor, visible: Tensor | None, bad: Tensor) -> Tensor:

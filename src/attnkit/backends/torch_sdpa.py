@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit._numerics import blocked
+from attnkit._numerics import all_finite, blocked
 from attnkit.functional import attention_math
 from attnkit.masks import pad_to_rank
 from attnkit.registry import AttentionCall, register_backend
@@ -53,7 +53,7 @@ def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     causal_flag = causal_flag and call.mask is None and call.bias is None
     mask = None if causal_flag else call.dense_mask()
     bias = call.dense_bias(q.dtype)
-    if not all(bool(torch.isfinite(t).all()) for t in (q, k, v, bias) if t is not None):
+    if not all_finite(q, k, v, bias):
         return attention_math(call)  # NaN and infinities as the reference has them
 
     # torch's kernel wants masks with the query's rank; pad broadcastable ones like (j,).

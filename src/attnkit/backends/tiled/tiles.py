@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnkit._numerics import blocked, compute_dtype
+from attnkit._numerics import all_finite, blocked, compute_dtype
 from attnkit.backends.tiled.layout import (
     bmm,
     flat,
@@ -300,8 +300,8 @@ class KeyTiles:
     the rows that can see them become NaN afterwards (``attnkit._numerics``)."""
 
     def __init__(self, k: Tensor, v: Tensor, bounds: bool) -> None:
-        bad = ~torch.isfinite(v)
-        self.bad = bad if bool(bad.any()) else None  # (b * h_kv, j, dv)
+        bad = None if all_finite(v) else ~torch.isfinite(v)  # (b * h_kv, j, dv)
+        self.bad = bad if bad is not None and bool(bad.any()) else None
         self.k, self.v = k, (v if self.bad is None else v.masked_fill(bad, 0.0))
         self.norm = k.norm(dim=-1) if bounds else None  # (b * h_kv, j)
         self.cache: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor, Tensor, float]] = {}
