@@ -14,13 +14,7 @@ from attnkit.backends import available_backends, register_backend
 from attnkit.backends.linear import linear_attention
 from attnkit.backends.sparse import topk_attention
 from attnkit.backends.tiled import tiled_attention
-from attnkit.blocks import (
-    FeedForward,
-    TransformerBlock,
-    TransformerConfig,
-    TransformerDecoder,
-    TransformerEncoder,
-)
+from attnkit.blocks import FeedForward, TransformerBlock
 from attnkit.debug import inspect_attention
 from attnkit.functional import scaled_dot_product_attention
 from attnkit.norms import RMSNorm
@@ -33,6 +27,7 @@ from attnkit.positional import (
     alibi_fn,
     alibi_slopes,
 )
+from attnkit.stacks import TransformerConfig, TransformerDecoder, TransformerEncoder
 from attnkit.variants import AttentionVariants
 
 __version__ = "0.1.0"
