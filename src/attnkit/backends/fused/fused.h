@@ -1,0 +1,272 @@
+// The pieces the fused forward (forward.cpp) and backward (backward.cpp) share: the problem
+// description, the tile matmul, and one row of a tile's logits. The names follow the Python
+// tiled backend (src/attnkit/backends/tiled/): Spec, logits, update, finish.
+//
+// Shape vocabulary: b batch, h query heads, hk key/value heads (g = h / hk per key head),
+// i queries, j keys, d query/key width, dv value width.
+//
+// Scores are kept in base 2, as in tiled/softmax.py: log2(e) is folded into the scale, so a
+// weight is exp2(s - m) and the natural log-sum-exp is (m + log2 l) * ln 2.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace attnkit_fused {
+
+using at::Tensor;
+
+constexpr double LOG2E = 1.4426950408889634;  // softmax.py LOG2E
+constexpr double LN2 = 0.6931471805599453;     // softmax.py LN2
+constexpr int64_t NO_LIMIT = std::numeric_limits<int64_t>::max() / 4;
+
+// Everything about one attention problem except q, k, v (tiles.py ``Spec``), already reduced to
+// what the kernel evaluates per element:
+//   * band: key j is visible from query i only when band_lo <= j - i <= band_hi (causal of
+//     either alignment, windows; masks.Band turned into an interval of offsets j - i);
+//   * layout: a block layout (layout_rows x layout_cols cells of layout_block positions); the
+//     tile sizes divide the block, so every tile lies in one cell (visible or skipped);
+//   * mask / bias: dense tensors viewed as (b, h, i, j) with strides (0 on broadcast axes);
+//   * relative: a (h, n_i + n_j - 1) table, bias(i, j) = table[h, j - i + n_i - 1]
+//     (tiled/relative.py, evaluated once per call).
+template <typename acc_t>
+struct Spec {
+  int64_t nb = 0, h = 0, hk = 0, ni = 0, nj = 0, d = 0, dv = 0;
+  acc_t scale2 = 0;  // scale * log2(e)
+  int64_t block_q = 64, block_k = 256;
+  int64_t band_lo = -NO_LIMIT, band_hi = NO_LIMIT;
+  const bool* layout = nullptr;
+  int64_t layout_rows = 0, layout_cols = 0, layout_block = 1;
+  const bool* mask = nullptr;
+  int64_t mask_sb = 0, mask_sh = 0, mask_si = 0, mask_sj = 0;
+  const acc_t* bias = nullptr;
+  int64_t bias_sb = 0, bias_sh = 0, bias_si = 0, bias_sj = 0;
+  const acc_t* relative = nullptr;  // (h, n_i + n_j - 1)
+  // Skipping negligible tiles (tiled/skipping.py): |q2_i| (b, h, i) and |k_j| (b, hk, j).
+  const acc_t* q_norm = nullptr;
+  const acc_t* k_norm = nullptr;
+  acc_t negligible = 0;  // bits below a row's floor under which a weight is negligible
+
+  acc_t blocked() const { return std::numeric_limits<acc_t>::lowest(); }  // _numerics.blocked
+  int64_t rel_length() const { return ni + nj - 1; }
+
+  // Keys [lo, hi) of query i inside the band.
+  int64_t band_first_key(int64_t i) const { return std::max<int64_t>(0, i + band_lo); }
+  int64_t band_end_key(int64_t i) const { return std::min<int64_t>(nj, i + band_hi + 1); }
+};
+
+// A tile of keys [j0, j1) for a block of queries, and whether every pair in it is visible
+// (tiles.py ``groups``: True = all visible, else evaluate the mask).
+struct KeyTile {
+  int64_t j0, j1;
+  bool full;
+};
+
+// The layout cell of (query block, key tile), or true without a layout.
+template <typename acc_t>
+inline bool layout_visible(const Spec<acc_t>& sp, int64_t i0, int64_t j0) {
+  if (sp.layout == nullptr) return true;
+  int64_t r = i0 / sp.layout_block, c = j0 / sp.layout_block;
+  if (r >= sp.layout_rows || c >= sp.layout_cols) return false;  // beyond the layout: blocked
+  return sp.layout[r * sp.layout_cols + c];
+}
+
+// Whether any pair of queries [i0, i1) x keys [j0, j1) is allowed by the dense mask (a tile
+// that evaluates all blocked is skipped before its matmul, as in forward.py).
+template <typename acc_t>
+inline bool mask_any(const Spec<acc_t>& sp, int64_t b, int64_t h, int64_t i0, int64_t i1,
+                     int64_t j0, int64_t j1) {
+  if (sp.mask == nullptr) return true;
+  const bool* base = sp.mask + b * sp.mask_sb + h * sp.mask_sh;
+  for (int64_t i = i0; i < i1; i++) {
+    const bool* row = base + i * sp.mask_si;
+    for (int64_t j = j0; j < j1; j++) {
+      if (row[j * sp.mask_sj]) return true;
+    }
+  }
+  return false;
+}
+
+// The largest relative bias over every offset j - i of a tile (skipping.py ``row_max``, one
+// bound for the whole tile), natural units. ``flipped``: the table is stored in reverse (the
+// backward reads it along queries).
+template <typename acc_t>
+inline acc_t relative_top(const Spec<acc_t>& sp, int64_t h, int64_t i0, int64_t i1, int64_t j0,
+                          int64_t j1, bool flipped = false) {
+  const acc_t* row = sp.relative + h * sp.rel_length();
+  int64_t lo = j0 - (i1 - 1) + sp.ni - 1, hi = (j1 - 1) - i0 + sp.ni - 1;
+  if (flipped) std::tie(lo, hi) = std::make_pair(sp.rel_length() - 1 - hi, sp.rel_length() - 1 - lo);
+  acc_t top = std::numeric_limits<acc_t>::lowest();
+  for (int64_t x = lo; x <= hi; x++) top = std::max(top, row[x]);
+  return top;
+}
+
+// The tile matmul C[M x N] (+)= A[M x K] B[K x N], row-major, float (double) accumulation:
+// oneDNN's batch-reduce GEMM through ATen (cpublas::brgemm) for float and bfloat16. A bfloat16
+// B is packed in pairs of rows ("VNNI": B[k][n], B[k+1][n] adjacent; K even), so one
+// instruction multiplies two bfloat16 pairs; ldb counts columns.
+inline void matmul(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                   int64_t ldb, float* C, int64_t ldc, bool add) {
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, false);
+}
+
+inline void matmul(int64_t M, int64_t N, int64_t K, const at::BFloat16* A, int64_t lda,
+                   const at::BFloat16* B, int64_t ldb, float* C, int64_t ldc, bool add) {
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, true);
+}
+
+inline void matmul(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda,
+                   const double* B, int64_t ldb, double* C, int64_t ldc, bool add) {
+  for (int64_t m = 0; m < M; m++) {  // float64 is for checking, not speed: a plain loop
+    double* c = C + m * ldc;
+    if (!add) std::fill(c, c + N, 0.0);
+    for (int64_t k = 0; k < K; k++) {
+      double a = A[m * lda + k];
+      const double* b = B + k * ldb;
+      for (int64_t n = 0; n < N; n++) c[n] += a * b[n];
+    }
+  }
+}
+
+// Offset of column n0 in a B operand (packed bfloat16 B holds two values per column).
+template <typename scalar_t>
+constexpr int64_t column_step() {
+  return std::is_same_v<scalar_t, at::BFloat16> ? 2 : 1;
+}
+
+// Rows of a float buffer as the matmul's A operand in scalar_t: the row itself for float and
+// double, a converted copy for bfloat16 (padding columns [n, n_pad) are zero).
+inline void as_operand(const float* src, at::BFloat16* dst, int64_t n, int64_t n_pad) {
+  at::vec::convert(src, dst, n);
+  for (int64_t c = n; c < n_pad; c++) dst[c] = at::BFloat16(0.0f);
+}
+
+// Two rows of a float buffer as one packed (VNNI) row of a bfloat16 B operand.
+inline void as_packed_pair(const float* r0, const float* r1, at::BFloat16* dst, int64_t n) {
+  for (int64_t c = 0; c < n; c++) {
+    dst[2 * c] = at::BFloat16(r0[c]);
+    dst[2 * c + 1] = at::BFloat16(r1 == nullptr ? 0.0f : r1[c]);
+  }
+}
+
+// NaN-propagating maximum (a NaN score makes its row NaN, _numerics.py).
+template <typename T>
+inline T nan_max(T a, T b) {
+  return (a != a || b != b) ? std::numeric_limits<T>::quiet_NaN() : std::max(a, b);
+}
+
+// One row of a tile's base-2 logits, in place (tiles.py ``Tiles.logits``: scores, bias, mask,
+// in that order): s = s * scale2 + (relative + bias) * log2(e); blocked outside the visible
+// columns [lo, hi), where the dense mask is False, and where a bias is -inf. ``rel`` is
+// contiguous along the row; ``bias`` and ``mask`` have strides. Returns the row's maximum.
+template <typename acc_t>
+inline acc_t logits_row(acc_t* s, int64_t n, acc_t scale2, const acc_t* rel, const acc_t* bias,
+                        int64_t bias_stride, const bool* mask, int64_t mask_stride, int64_t lo,
+                        int64_t hi) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  const acc_t blocked = std::numeric_limits<acc_t>::lowest();
+  const acc_t log2e = static_cast<acc_t>(LOG2E);
+  lo = std::max<int64_t>(lo, 0);
+  hi = std::min<int64_t>(hi, n);
+  if (hi <= lo) {  // nothing visible in this row of the tile
+    std::fill(s, s + n, blocked);
+    return blocked;
+  }
+  const Vec vscale(scale2), vlog2e(log2e), vblocked(blocked);
+  int64_t c = lo;
+  if (rel != nullptr) {
+    for (; c + Vec::size() <= hi; c += Vec::size()) {
+      Vec x = Vec::loadu(s + c) * vscale + Vec::loadu(rel + c) * vlog2e;
+      Vec::blendv(x, vblocked, x < vblocked).store(s + c);  // -inf bias: blocked
+    }
+    for (; c < hi; c++) s[c] = std::max(s[c] * scale2 + rel[c] * log2e, blocked);
+  } else {
+    at::vec::map([&](Vec x) { return x * vscale; }, s + lo, s + lo, hi - lo);
+  }
+  if (bias != nullptr) {
+    for (c = lo; c < hi; c++) {
+      acc_t x = s[c] + bias[c * bias_stride] * log2e;
+      s[c] = x < blocked ? blocked : x;  // NaN stays NaN
+    }
+  }
+  if (mask != nullptr) {
+    for (c = lo; c < hi; c++) {
+      if (!mask[c * mask_stride]) s[c] = blocked;
+    }
+  }
+  std::fill(s, s + lo, blocked);
+  std::fill(s + hi, s + n, blocked);
+  return at::vec::reduce_all<acc_t>(
+      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s + lo, hi - lo);
+}
+
+using Opt = std::optional<Tensor>;
+
+// The Spec of a call from the tensors and numbers the Python side passes (see __init__.py):
+// ints = [b, h, hk, i, j, d, dv, block_q, block_k, band_lo, band_hi, layout_block],
+// floats = [scale, negligible bits]. Absent tensors are None.
+template <typename acc_t>
+Spec<acc_t> make_spec(const Opt& mask, const Opt& bias, const Opt& relative, const Opt& layout,
+                      const Opt& q_norm, const Opt& k_norm, const std::vector<int64_t>& ints,
+                      const std::vector<double>& floats) {
+  TORCH_CHECK(ints.size() == 12 && floats.size() >= 2, "fused kernel: bad argument lists");
+  Spec<acc_t> sp;
+  sp.nb = ints[0], sp.h = ints[1], sp.hk = ints[2], sp.ni = ints[3], sp.nj = ints[4];
+  sp.d = ints[5], sp.dv = ints[6], sp.block_q = ints[7], sp.block_k = ints[8];
+  sp.band_lo = ints[9], sp.band_hi = ints[10], sp.layout_block = ints[11];
+  sp.scale2 = static_cast<acc_t>(floats[0] * LOG2E);
+  sp.negligible = static_cast<acc_t>(floats[1]);
+  if (mask) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4, "fused kernel: mask");
+    sp.mask = mask->data_ptr<bool>();
+    sp.mask_sb = mask->stride(0), sp.mask_sh = mask->stride(1);
+    sp.mask_si = mask->stride(2), sp.mask_sj = mask->stride(3);
+  }
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 4, "fused kernel: bias must be 4-D");
+    sp.bias = bias->data_ptr<acc_t>();
+    sp.bias_sb = bias->stride(0), sp.bias_sh = bias->stride(1);
+    sp.bias_si = bias->stride(2), sp.bias_sj = bias->stride(3);
+  }
+  if (relative) {
+    TORCH_CHECK(relative->is_contiguous() && relative->size(1) == sp.rel_length(),
+                "fused kernel: relative table must be (h, i + j - 1)");
+    sp.relative = relative->data_ptr<acc_t>();
+  }
+  if (layout) {
+    sp.layout = layout->data_ptr<bool>();
+    sp.layout_rows = layout->size(0), sp.layout_cols = layout->size(1);
+  }
+  if (q_norm && k_norm) {
+    sp.q_norm = q_norm->data_ptr<acc_t>();
+    sp.k_norm = k_norm->data_ptr<acc_t>();
+  }
+  return sp;
+}
+
+void forward(const Tensor& q, const Tensor& k_t, const Tensor& v, const Tensor& out,
+             const Tensor& lse, const Opt& poisoned, const Opt& bad, const Opt& mask,
+             const Opt& bias, const Opt& relative, const Opt& layout, const Opt& q_norm,
+             const Opt& k_norm, const std::vector<int64_t>& ints,
+             const std::vector<double>& floats);
+
+void backward(const Tensor& k, const Tensor& v, const Tensor& k_t, const Tensor& q_t,
+              const Tensor& do_t, const Tensor& do_rows, const Tensor& q_rows, const Tensor& lse2,
+              const Tensor& delta, const Tensor& dq_t, const Tensor& dk, const Tensor& dv,
+              const Opt& dbias, const Opt& mask, const Opt& bias, const Opt& relative,
+              const Opt& layout, const Opt& q_norm, const Opt& k_norm,
+              const std::vector<int64_t>& ints, const std::vector<double>& floats);
+
+}  // namespace attnkit_fused
