@@ -33,14 +33,16 @@ def test_every_page_is_in_the_nav() -> None:
         assert rel in nav, f"{rel} is not in mkdocs.yml's nav"
 
 
-@pytest.mark.slow
-def test_mkdocs_build_strict(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built once per module with `mkdocs build --strict` (a warning fails it)."""
     import subprocess
     import sys
 
+    site = tmp_path_factory.mktemp("site")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
         cwd=DOCS.parent,
         capture_output=True,
         text=True,
@@ -48,6 +50,69 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return site
+
+
+@pytest.mark.slow
+def test_mkdocs_build_strict(built_site: Path) -> None:
+    for page in ("index.html", "api/functional/index.html", "benchmarks/index.html"):
+        assert (built_site / page).is_file(), page
+
+
+# An object's block on an API page: its kind, the heading's id, the heading, and what follows.
+_OBJECT = re.compile(
+    r'<div class="doc doc-object doc-(\w+)">\s*<h(\d) id="([^"]+)" class="doc doc-heading">'
+    r"(.*?)</h\d>\s*(<div class=\"doc-signature[^>]*>.*?</div>)?",
+    flags=re.S,
+)
+
+
+def _text(fragment: str) -> str:
+    import html
+
+    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", "", fragment))).strip()
+
+
+def _api_objects(site: Path) -> dict[str, tuple[str, str, str]]:
+    """Every documented object on the API pages: id -> (kind, name in its heading, signature)."""
+    found = {}
+    for page in sorted((site / "api").glob("*/index.html")):
+        html_text = page.read_text("utf-8")
+        blocks = len(re.findall(r'<div class="doc doc-object doc-(?!module)\w+">', html_text))
+        objects = _OBJECT.findall(html_text)
+        assert len(objects) == blocks, f"{page.parent.name}: an object without a heading"
+        for kind, _level, ident, heading, signature in objects:
+            name = re.search(r'<span class="doc doc-object-name[^"]*">(.*?)</span>', heading)
+            found[ident] = (kind, _text(name.group(1)) if name else "", _text(signature))
+    return found
+
+
+@pytest.mark.slow
+def test_api_pages_give_every_object_a_heading_and_a_signature(built_site: Path) -> None:
+    objects = _api_objects(built_site)
+    assert len(objects) > 150
+    for ident, (kind, heading, signature) in objects.items():
+        name = ident.rsplit(".", 1)[-1]
+        assert heading == name, (ident, heading)
+        if kind == "function":
+            assert signature.startswith(f"{name}("), (ident, signature)
+    kind, _, signature = objects["attnkit.functional.scaled_dot_product_attention"]
+    assert kind == "function"
+    assert signature.startswith("scaled_dot_product_attention( query: Tensor, key: Tensor,")
+    assert "is_causal: bool = False" in signature and "backend: str = 'auto'" in signature.replace(
+        '"', "'"
+    )
+    # Classes show their constructor's signature.
+    for ident, argument in (
+        ("attnkit.attention.MultiHeadAttention", "embed_dim: int"),
+        ("attnkit.flex.BlockMask", "("),
+        ("attnkit.models.bert.BertModel", "config: BertConfig"),
+    ):
+        kind, heading, signature = objects[ident]
+        assert kind == "class" and signature.startswith(f"{heading}("), (ident, signature)
+        assert argument in signature, (ident, signature)
+    for ident in ("attnkit.functional.make_call", "attnkit.functional.attention_math"):
+        assert objects[ident][2].startswith(ident.rsplit(".", 1)[-1] + "(")
 
 
 def _pages() -> list[Path]:
