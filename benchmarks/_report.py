@@ -1,7 +1,10 @@
-"""Shared by the benchmark scripts: environment, medians, their section of docs/benchmarks.md.
+"""Shared by the benchmark scripts: environment, medians, their section of docs/benchmarks.md,
+and the charts at the top of that page.
 
 Each script owns one section of ``docs/benchmarks.md``, delimited by
 ``<!-- begin:NAME -->`` / ``<!-- end:NAME -->``; rewriting it leaves the other sections alone.
+Charts are PNGs in ``docs/images/benchmarks/``, drawn by ``write_chart`` from the rows a script
+measured (``benchmarks/charts.py`` redraws them from the tables already recorded).
 """
 
 from __future__ import annotations
@@ -10,14 +13,15 @@ import platform
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from attnkit._io import atomic_write_text
+from attnkit._io import atomic_write_bytes, atomic_write_text
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+CHARTS = DOC.parent / "images" / "benchmarks"
 HEADER = (
     "# Benchmarks\n\n"
     "Measured on this project's 2-core CPU machine; every table names the command that made it.\n"
@@ -43,12 +47,25 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> 
     return statistics.median(times)
 
 
+def _section_pattern(name: str) -> re.Pattern[str]:
+    return re.compile(
+        re.escape(f"<!-- begin:{name} -->") + "\n?(.*?)" + re.escape(f"<!-- end:{name} -->"),
+        flags=re.S,
+    )
+
+
+def read_section(name: str, doc: Path = DOC) -> str | None:
+    """The markdown of section ``name`` of docs/benchmarks.md, or None when it has none."""
+    found = _section_pattern(name).search(doc.read_text(encoding="utf-8")) if doc.exists() else None
+    return None if found is None else found.group(1)
+
+
 def write_section(name: str, markdown: str, doc: Path = DOC) -> Path:
     """Replace section ``name`` of docs/benchmarks.md with ``markdown`` (atomically)."""
     begin, end = f"<!-- begin:{name} -->", f"<!-- end:{name} -->"
     block = f"{begin}\n{markdown.strip()}\n{end}"
     text = doc.read_text(encoding="utf-8") if doc.exists() else HEADER
-    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), flags=re.S)
+    pattern = _section_pattern(name)
     text = (
         pattern.sub(lambda _: block, text)
         if pattern.search(text)
@@ -56,3 +73,91 @@ def write_section(name: str, markdown: str, doc: Path = DOC) -> Path:
     )
     doc.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_text(doc, text)
+
+
+def write_chart(
+    name: str,
+    rows: Iterable[Mapping[str, object]],
+    *,
+    panels: Sequence[tuple[str, str, str]],
+    title: str,
+    x: str = "n",
+    x_label: str = "sequence length n",
+    baselines: Iterable[str] = (),
+    group: Callable[[str], str] | None = None,
+    log_y: bool = True,
+    out_dir: Path = CHARTS,
+) -> Path:
+    """Draw ``out_dir/NAME.png``: one panel per ``(key, title, unit)`` in ``panels``, each a line
+    per series against ``x`` on log-log axes (a linear y axis from 0 with ``log_y=False``), and
+    write it atomically.
+
+    ``rows`` are flat dicts: ``"series"`` (the line's label, in order of first appearance),
+    ``x`` and the panels' keys; a value that is None (not measured, skipped) is left out of its
+    line, and so is one at or below 0 on a log axis. Series named in ``baselines`` (what attnkit is
+    compared with) are drawn dashed; series with the same ``group(series)`` share a colour.
+    """
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: the scripts run on headless machines
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    rows = list(rows)
+    series = list(dict.fromkeys(str(r["series"]) for r in rows))
+    if not series or not panels:
+        raise ValueError(f"write_chart({name!r}): needs rows with a 'series' and panels to draw")
+    baselines = set(baselines)
+    groups = list(dict.fromkeys(group(line) if group else line for line in series))
+    palette = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20").colors
+    colour = {g: palette[i % len(palette)] for i, g in enumerate(groups)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4.0), squeeze=False)
+    markers = "osD^vPXh<>"
+    for ax, (key, heading, unit) in zip(axes[0], panels, strict=True):
+        for index, line in enumerate(series):
+            values = [(r[x], r.get(key)) for r in rows if r["series"] == line]
+            points = sorted((float(a), float(v)) for a, v in values if _drawable(v, log_y))
+            if not points:
+                continue
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker=markers[index % len(markers)], markersize=4, linewidth=1.5,
+                    label=line, color=colour[group(line) if group else line],
+                    linestyle="--" if line in baselines else "-")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        if log_y:
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(bottom=0)
+        ticks = sorted({float(r[x]) for r in rows})  # type: ignore[arg-type]
+        ax.set_xticks(ticks, [f"{t:,.0f}" for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(unit)
+        ax.set_title(heading, fontsize=10)
+        ax.grid(True, which="major", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes[0][1:]:  # a series missing from the first panel still gets its entry
+        for handle, text in zip(*ax.get_legend_handles_labels(), strict=True):
+            if text not in labels:
+                handles.append(handle)
+                labels.append(text)
+    columns = min(len(labels), 4 if len(panels) < 3 else 5)
+    fig.suptitle(title, fontsize=11)
+    fig.legend(handles, labels, loc="lower center", ncols=columns, fontsize=8, frameon=False)
+    rows_of_legend = -(-len(labels) // columns)
+    fig.tight_layout(rect=(0, 0.05 + 0.055 * rows_of_legend, 1, 1))
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90, metadata={"Software": None})
+    plt.close(fig)
+    # A 256-colour palette: line charts lose nothing and the files stay small.
+    image = Image.open(io.BytesIO(png.getvalue())).convert("RGB").quantize(256)
+    out = io.BytesIO()
+    image.save(out, format="png", optimize=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return atomic_write_bytes(out_dir / f"{name}.png", out.getvalue())
+
+
+def _drawable(value: object, log_y: bool) -> bool:
+    return isinstance(value, int | float) and (value > 0 or not log_y)

@@ -337,7 +337,51 @@ def main(argv: list[str] | None = None) -> int:
         from _report import write_section
 
         print(f"wrote {write_section('attention', md)}", file=sys.stderr)
+        for name, methods in CHART_METHODS.items():
+            print(f"wrote {chart(rows, name, methods)}", file=sys.stderr)
     return 0
+
+
+# The charts at the top of docs/benchmarks.md: the routes compared by the targets, and every
+# method (None) of a run.
+CHART_METHODS = {
+    "attention": [m for m in METHODS if m.startswith(("torch", "tiled")) and "window" not in m],
+    "attention-all-methods": None,
+}
+
+
+def chart(rows: list[dict], name: str, methods: list[str] | None = None, out_dir=None):
+    """Draw chart ``name`` from the rows ``main`` measured: time and peak extra memory of one
+    sequence (the call's figures divided by b) against n, one line per method."""
+    from _report import CHARTS as folder
+    from _report import write_chart
+
+    kept = [r for r in rows if not r["skipped"] and (methods is None or r["method"] in methods)]
+    per_sequence = [
+        {
+            "series": r["method"],
+            "n": r["n"],
+            **{
+                key: None if r.get(key) is None else r[key] * scale / r["b"]
+                for key, scale in (("fwd_s", 1e3), ("fwdbwd_s", 1e3), ("fwdbwd_mb", 1.0))
+            },
+        }
+        for r in kept
+    ]
+    batches = sorted({r["b"] for r in kept})
+    return write_chart(
+        name,
+        per_sequence,
+        panels=[
+            ("fwd_s", "forward", "ms per sequence"),
+            ("fwdbwd_s", "forward + backward", "ms per sequence"),
+            ("fwdbwd_mb", "peak extra memory, forward + backward", "MB per sequence"),
+        ],
+        title=f"Attention on CPU, h = {HEADS}, d = {DIM}, float32 (b = "
+        f"{', '.join(map(str, batches))}, figures divided by b); dashed: torch",
+        baselines=[r["method"] for r in kept if r["method"].startswith("torch")],
+        out_dir=out_dir or folder,
+    )
 
 
 def _find(rows: list[dict], method: str, n: int) -> dict | None:

@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("build_s")
     )
     md = (
+        "## FlexAttention on CPU (`benchmarks/flex.py`)\n\n"
         f"`python benchmarks/flex.py {' '.join(argv or sys.argv[1:])}`; {environment()}; "
         f"b = 1, h = {HEADS}, d = {DIM}, block {BLOCK}. Build times apart (attnkit's "
         f"create_block_mask; torch's first compile): {builds}.\n\n" + table(rows, modes)
@@ -296,7 +297,42 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     if args.write:
         print(f"wrote {write_section('flex', md)}", file=sys.stderr)
+        for dtype in args.dtypes:
+            print(f"wrote {chart(rows, dtype)}", file=sys.stderr)
     return 0
+
+
+def chart(rows: list[dict], dtype: str, out_dir=None):
+    """Draw ``flex-DTYPE.png`` from the rows ``main`` measured: time and peak extra memory of
+    each scenario's flex and dense routes against n."""
+    from _report import CHARTS as folder
+    from _report import write_chart
+
+    points = [
+        {
+            "series": f"{r['key'][0]}, {r['route']}",
+            "n": r["key"][1],
+            "fwd_s": r["times"].get("fwd"),
+            "fwdbwd_s": r["times"].get("fwdbwd"),
+            "fwdbwd_mb": r["mem"].get("fwdbwd"),
+        }
+        for r in rows
+        if r["key"][2] == dtype and not r.get("skipped")
+    ]
+    return write_chart(
+        f"flex-{dtype}",
+        points,
+        panels=[
+            ("fwd_s", "forward", "seconds"),
+            ("fwdbwd_s", "forward + backward", "seconds"),
+            ("fwdbwd_mb", "peak extra memory, forward + backward", "MB"),
+        ],
+        title=f"attnkit.flex against the dense route, b = 1, h = {HEADS}, d = {DIM}, {dtype}; "
+        "dashed: dense",
+        baselines=[p["series"] for p in points if not p["series"].endswith(", flex")],
+        group=lambda series: series.rsplit(", ", 1)[0],  # a scenario's routes share a colour
+        out_dir=out_dir or folder,
+    )
 
 
 if __name__ == "__main__":

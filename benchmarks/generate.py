@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
 
-from _report import environment, write_section
+from _report import CHARTS, environment, write_chart, write_section
 
 NEW_TOKENS = 128
 LENGTHS = (16, 64, 256, 1024)
@@ -226,19 +226,7 @@ def main() -> int:
     mem = {(lib, lengths[-1]): memory(lib, ids) for lib in ("attnkit", "transformers")}
     print("memory", mem, flush=True)
 
-    by = {(r["library"], r["n"]): r for r in rows}
-    lines = [
-        "| prompt tokens | prefill tok/s attnkit | prefill tok/s transformers | decode tok/s "
-        "attnkit | decode tok/s transformers | decode attnkit / transformers |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
-    for n in lengths:
-        a, t = by[("attnkit", n)], by[("transformers", n)]
-        lines.append(
-            f"| {n} | {a['prefill_tok_s']:.0f} | {t['prefill_tok_s']:.0f} | "
-            f"{a['decode_tok_s']:.1f} | {t['decode_tok_s']:.1f} | "
-            f"{a['decode_tok_s'] / t['decode_tok_s']:.2f}x |"
-        )
+    lines = speed_table(rows)
     n_mem = lengths[-1]
     mem_lines = [
         "| library | load (s) | resident after load (MB) | "
@@ -272,7 +260,45 @@ def main() -> int:
     print(markdown)
     if not (args.quick or args.no_write):
         print("wrote", write_section("generate", markdown))
+        print("wrote", chart(rows))
     return 0
+
+
+def speed_table(rows: list[dict[str, object]]) -> list[str]:
+    """The markdown lines of the speed table: one row per prompt length, both libraries."""
+    by = {(r["library"], r["n"]): r for r in rows}
+    lines = [
+        "| prompt tokens | prefill tok/s attnkit | prefill tok/s transformers | decode tok/s "
+        "attnkit | decode tok/s transformers | decode attnkit / transformers |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in dict.fromkeys(r["n"] for r in rows):
+        a, t = by[("attnkit", n)], by[("transformers", n)]
+        lines.append(
+            f"| {n} | {a['prefill_tok_s']:.0f} | {t['prefill_tok_s']:.0f} | "
+            f"{a['decode_tok_s']:.1f} | {t['decode_tok_s']:.1f} | "
+            f"{a['decode_tok_s'] / t['decode_tok_s']:.2f}x |"
+        )
+    return lines
+
+
+def chart(rows: list[dict[str, object]], out_dir: Path = CHARTS) -> Path:
+    """Draw ``generate.png`` from the rows ``speed`` measured: prefill and decode tokens/s of
+    each library against the prompt's length."""
+    return write_chart(
+        "generate",
+        [{**r, "series": r["library"]} for r in rows],
+        panels=[
+            ("prefill_tok_s", "prefill (one forward over the prompt)", "tokens/s"),
+            ("decode_tok_s", "decode (one token per step, KV cache)", "tokens/s"),
+        ],
+        title=f"SmolLM2-135M-Instruct on CPU, greedy, {NEW_TOKENS} new tokens; "
+        "dashed: transformers",
+        x_label="prompt tokens",
+        baselines=["transformers"],
+        log_y=False,
+        out_dir=out_dir,
+    )
 
 
 if __name__ == "__main__":

@@ -229,12 +229,39 @@ def main() -> None:
     if args.quick:
         args.n, args.no_write = [256, 512], True
     load = os.getloadavg()[0]
-    text = markdown(measure(args), args, load)
+    rows = measure(args)
+    text = markdown(rows, args, load)
     print(text)
     if not args.no_write:
         from _report import write_section
 
         print(f"wrote {write_section('hf_models', text)}")
+        print(f"wrote {chart(rows)}")
+
+
+def chart(rows: list[dict], out_dir: Path | None = None) -> Path:
+    """Draw ``hf_models.png`` from the rows ``measure`` returned: forward time and peak extra
+    memory of each model and implementation against n."""
+    from _report import CHARTS, write_chart
+
+    points = [
+        {"series": f"{row['model']}, {impl}", "n": row["n"], **row[impl]}
+        for row in rows
+        for impl in IMPLEMENTATIONS
+        if row.get(impl)
+    ]
+    return write_chart(
+        "hf_models",
+        points,
+        panels=[
+            ("seconds", "forward", "seconds (wall)"),
+            ("peak_mib", "peak extra memory, forward", "MiB"),
+        ],
+        title=f"transformers models with attn_implementation = attnkit, sdpa, eager ({LAYERS} "
+        f"layers, hidden {HIDDEN}, float32); dashed: transformers' own",
+        baselines=[p["series"] for p in points if not p["series"].endswith(", attnkit")],
+        out_dir=out_dir or CHARTS,
+    )
 
 
 if __name__ == "__main__":
