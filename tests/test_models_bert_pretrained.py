@@ -85,3 +85,20 @@ def test_unknown_backend_and_dtype_are_refused() -> None:
         load_pretrained(backend="nope")
     with pytest.raises(TypeError, match="dtype"):
         load_pretrained(dtype=torch.int64)
+
+
+def test_encoding_many_texts_shows_a_bar_only_on_a_terminal(ours32, monkeypatch) -> None:
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    texts = [f"text number {k}" for k in range(12)]
+    for stderr, bar in ((io.StringIO(), False), (Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        out = ours32.encode(texts, batch_size=4)  # three batches
+        assert out.embeddings.shape == (12, 384)
+        assert ("encoding:" in stderr.getvalue()) is bar, stderr.getvalue()
+    assert "/3 [" in stderr.getvalue()

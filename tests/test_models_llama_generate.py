@@ -195,3 +195,17 @@ def test_attention_rows_are_what_each_cached_step_computed(tiny) -> None:
         row = 4 + k
         cached = torch.stack([w[0, :, 0] for w in step.weights])  # (l, h, row + 1)
         torch.testing.assert_close(cached, full[:, :, row, : row + 1], atol=1e-6, rtol=0)
+
+
+def test_a_batch_shows_a_bar_only_on_a_terminal(tiny, monkeypatch) -> None:
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stderr, bar in ((io.StringIO(), False), (Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        assert tiny.generate(["a", "bc"], 6) == [tiny.generate("a", 6), tiny.generate("bc", 6)]
+        assert ("generating:" in stderr.getvalue()) is bar, stderr.getvalue()

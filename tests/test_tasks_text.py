@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -12,10 +11,7 @@ from attnkit.tasks.registry import evaluate_checkpoint
 from attnkit.tasks.text import TextRun, train_text
 from attnkit.train import TrainConfig
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("scattertext") is None, reason="no scattertext"),
-]
+pytestmark = pytest.mark.slow
 
 
 def test_scratch_run_writes_metrics_words_and_reloads(tmp_path):

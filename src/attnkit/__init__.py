@@ -2,45 +2,90 @@
 
 The public surface is re-exported here; everything else is reachable through its module
 (``attnkit.masks``, ``attnkit.backends``, ...).
+
+``import attnkit`` itself imports nothing (not even torch, about a second to load), so the
+``attnkit`` command starts at once. The first public name used loads the core, which imports
+the backends and so registers them, exactly as an eager import would (PEP 562). Modules that
+route by backend name (``attnkit.attention`` and everything built on it) import the backends
+themselves.
 """
 
-import importlib
+from __future__ import annotations
 
-# Importing the backends registers them; attnkit.functional registers "math".
-import attnkit.backends as backends
-import attnkit.masks as masks
-from attnkit.attention import KVCache, MultiHeadAttention
-from attnkit.backends import available_backends, register_backend
-from attnkit.backends.linear import linear_attention
-from attnkit.backends.sparse import topk_attention
-from attnkit.backends.tiled import tiled_attention
-from attnkit.blocks import FeedForward, TransformerBlock
-from attnkit.debug import inspect_attention
-from attnkit.functional import scaled_dot_product_attention
-from attnkit.norms import RMSNorm
-from attnkit.positional import (
-    LearnedPositionalEmbedding,
-    RelativePositionAttention,
-    RotaryEmbedding,
-    SinusoidalPositionalEncoding,
-    alibi_bias,
-    alibi_fn,
-    alibi_slopes,
-)
-from attnkit.stacks import TransformerConfig, TransformerDecoder, TransformerEncoder
-from attnkit.variants import AttentionVariants
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the same names, for type checkers and readers; loaded on first use below
+    # (the optional subpackages of _MODULES are left out: only the CLI may depend on train)
+    import attnkit.backends as backends
+    import attnkit.masks as masks
+    from attnkit.attention import KVCache, MultiHeadAttention
+    from attnkit.backends import available_backends, register_backend
+    from attnkit.backends.linear import linear_attention
+    from attnkit.backends.sparse import topk_attention
+    from attnkit.backends.tiled import tiled_attention
+    from attnkit.blocks import FeedForward, TransformerBlock
+    from attnkit.debug import inspect_attention
+    from attnkit.functional import scaled_dot_product_attention
+    from attnkit.norms import RMSNorm
+    from attnkit.positional import (
+        LearnedPositionalEmbedding,
+        RelativePositionAttention,
+        RotaryEmbedding,
+        SinusoidalPositionalEncoding,
+        alibi_bias,
+        alibi_fn,
+        alibi_slopes,
+    )
+    from attnkit.stacks import TransformerConfig, TransformerDecoder, TransformerEncoder
+    from attnkit.variants import AttentionVariants
 
 __version__ = "0.1.0"
 
-# Subpackages with heavier or optional dependencies load on first use: attnkit.models, .viz,
-# .train, .distributed, .flex and .integrations (PEP 562).
-_LAZY = ("distributed", "flex", "integrations", "models", "train", "viz")
+# public name -> the module that defines it
+_NAMES = {
+    "KVCache": "attnkit.attention",
+    "MultiHeadAttention": "attnkit.attention",
+    "available_backends": "attnkit.backends",
+    "register_backend": "attnkit.backends",
+    "linear_attention": "attnkit.backends.linear",
+    "topk_attention": "attnkit.backends.sparse",
+    "tiled_attention": "attnkit.backends.tiled",
+    "FeedForward": "attnkit.blocks",
+    "TransformerBlock": "attnkit.blocks",
+    "inspect_attention": "attnkit.debug",
+    "scaled_dot_product_attention": "attnkit.functional",
+    "RMSNorm": "attnkit.norms",
+    "LearnedPositionalEmbedding": "attnkit.positional",
+    "RelativePositionAttention": "attnkit.positional",
+    "RotaryEmbedding": "attnkit.positional",
+    "SinusoidalPositionalEncoding": "attnkit.positional",
+    "alibi_bias": "attnkit.positional",
+    "alibi_fn": "attnkit.positional",
+    "alibi_slopes": "attnkit.positional",
+    "TransformerConfig": "attnkit.stacks",
+    "TransformerDecoder": "attnkit.stacks",
+    "TransformerEncoder": "attnkit.stacks",
+    "AttentionVariants": "attnkit.variants",
+}
+# Public submodules: the core two, and those with heavier or optional dependencies.
+_MODULES = ("backends", "masks", "distributed", "flex", "integrations", "models", "train", "viz")
 
 
 def __getattr__(name: str) -> object:
-    if name in _LAZY:
+    if name in _MODULES:
+        importlib.import_module("attnkit.backends")  # registers the backends
         return importlib.import_module(f"attnkit.{name}")
-    raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
+    if name not in _NAMES:
+        raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
+    importlib.import_module("attnkit.backends")
+    value = getattr(importlib.import_module(_NAMES[name]), name)
+    globals()[name] = value  # later uses are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import attnkit.backends  # noqa: F401  (registers the backends a module's `backend=` names)
 from attnkit._numerics import no_autocast, to_autocast
 from attnkit.functional import scaled_dot_product_attention
 from attnkit.masks import BiasFn, MaskFn

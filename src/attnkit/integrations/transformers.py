@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import attnkit.backends  # noqa: F401  (registers the backends `attnkit:<name>` names)
 from attnkit.functional import scaled_dot_product_attention
 from attnkit.masks import Band, MaskFn, all_of, causal_fn, materialize, window_fn
 from attnkit.registry import get_backend

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit._numerics import compute_dtype
+from attnkit._progress import progress
 from attnkit.backends import get_backend
 from attnkit.models.bert import BertModel
 from attnkit.models.bert_config import BertConfig
@@ -162,7 +163,8 @@ class PretrainedBert:
         # longest text, which saves the work on padding that a random order would waste.
         order = torch.argsort(batch.lengths, descending=True, stable=True)
         with torch.inference_mode():
-            for start in range(0, b, batch_size):
+            chunks = range(0, b, batch_size)
+            for start in progress(chunks, desc="encoding", unit="batch"):  # a bar on a terminal
                 idx = order[start : start + batch_size]
                 m = int(batch.lengths[idx].max())
                 real = (torch.arange(m) < batch.lengths[idx, None]).to(device)  # (chunk, m)

