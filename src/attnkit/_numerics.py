@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -108,7 +109,15 @@ def all_finite(*tensors: Tensor | None) -> bool:
     """Whether every entry of the tensors is finite, by one sum per tensor (a NaN or an
     infinity makes the sum non-finite). A sum that overflows on finite entries also answers
     False: the caller then takes its careful path, which is right, only slower."""
-    return all(bool(torch.isfinite(t.sum())) for t in tensors if t is not None and t.numel())
+    return all(
+        math.isfinite(t.sum(dtype=_SUM_DTYPE.get(t.dtype, t.dtype)).item())
+        for t in tensors
+        if t is not None and t.numel()
+    )
+
+
+# Half-precision sums overflow early (float16 at 65,504): they add up in float32 instead.
+_SUM_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
 def poison(out: Tensor, visible: Tensor | None, bad: Tensor) -> Tensor:

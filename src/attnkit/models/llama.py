@@ -538,7 +538,8 @@ def load_pretrained(
     ``model.safetensors``, ``tokenizer.json``); ``None`` means the bundled SmolLM2-135M-Instruct
     (``bundled_model_path()``), which works offline. Names and shapes are checked before any
     tensor is read (``attnkit.models.llama_loading``); quantised GGUF blocks are de-quantised to
-    float32, then cast to ``dtype``.
+    float32, then cast to ``dtype``. The output matrix is stored column-major
+    (``_column_major``), which makes token-by-token decoding faster and changes no value.
     """
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype must be a floating-point torch dtype, got {dtype!r}")
@@ -550,4 +551,22 @@ def load_pretrained(
     with torch.device("meta"):
         model = LlamaModel(ckpt.config)  # shapes only: the weights come from the file
     model.load_state_dict(ckpt.read(), strict=True, assign=True)
-    return PretrainedLlama(model.to(dtype), tokenizer, ckpt.path)
+    return PretrainedLlama(_column_major(model.to(dtype)), tokenizer, ckpt.path)
+
+
+def _column_major(model: LlamaModel) -> LlamaModel:
+    """Store the output matrix ``(V, e)`` as the transpose of a contiguous ``(e, V)``.
+
+    Its values and shape stay the same; only the memory order changes. Each decoding step
+    multiplies one row vector by this matrix (the largest of the model: 49,152 x 576 in
+    SmolLM2), and ``x @ W.T`` with ``W.T`` contiguous reads it faster than with ``W`` contiguous
+    (MKL's matrix-vector product; on an AMD EPYC with 2 threads 4.6 ms instead of 7.1 ms, about
+    7 % of a step). The logits then differ from the row-major product by float rounding only
+    (another summation order). The blocks' projections keep their layout: column-major ones
+    would be faster too, but their rounding, carried through 30 layers, moves the logits of
+    short prompts by up to 1.1e-4. The tied embedding gathers strided rows, at no visible cost.
+    """
+    out = model.embed if model.lm_head is None else model.lm_head
+    with torch.no_grad():
+        out.weight.data = out.weight.data.t().contiguous().t()  # (V, e), strides (1, V)
+    return model
