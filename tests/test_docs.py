@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-# docs/source/ pages only include the library's source files (snippets), nothing to run.
+HOME = DOCS / "index.md"
+# docs/source/ pages only include the library's source files (snippets), nothing to run; the
+# home page's snippet has a test of its own below.
 PAGES = sorted(
     p
     for p in DOCS.rglob("*.md")
-    if "```python" in p.read_text(encoding="utf-8") and p.parent.name != "source"
+    if "```python" in p.read_text(encoding="utf-8") and p.parent.name != "source" and p != HOME
 )
 
 
@@ -24,6 +26,26 @@ def test_docs_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.Mon
     namespace: dict[str, object] = {"__name__": "__docs__"}
     for n, code in enumerate(blocks):
         exec(compile(code, f"{page.name} block {n}", "exec"), namespace)
+
+
+def test_home_page_says_what_installs_and_runs_ten_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The home page: what attnkit is, the pip line, one snippet of about ten lines that runs
+    (it checks the tiled backend against the reference and draws MiniLM's heads), one figure."""
+    text = HOME.read_text(encoding="utf-8")
+    (snippet,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert text.index("attnkit is a") < text.index("pip install 'attnkit[viz,bert]'")
+    assert text.index("pip install 'attnkit[viz,bert]'") < text.index("```python")
+    assert 8 <= len([line for line in snippet.splitlines() if line.strip()]) <= 12
+    assert all(len(line) <= 100 for line in snippet.splitlines())
+    figures = re.findall(r"!\[[^\]]*\]\((figures/[\w.-]+)\)", text)
+    assert len(figures) == 1 and (DOCS / figures[0]).is_file()
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "index.md snippet", "exec"), {"__name__": "__docs__"})
+    difference = float(re.search(r"reference: ([\d.e+-]+)", capsys.readouterr().out).group(1))
+    assert difference < 1e-5
+    assert (tmp_path / "heads.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_every_page_is_in_the_nav() -> None:
