@@ -149,8 +149,8 @@ def write_output(
             tokens,
             title=f"attnkit show: {model}",
             text=text,
-            layer=layer or 0,
-            head=head or 0,
+            layer=layer,  # None: the last layer, and the mean of its heads, as the printed
+            head=head,  # strongest links (the page opens on what the summary describes)
         )
         return explorer.save(out)
     if len(text) > 60:  # a picture's title stays on one line

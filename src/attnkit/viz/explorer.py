@@ -1,13 +1,26 @@
 """An interactive attention explorer in one self-contained HTML file (no network, no CDN).
 
-Pick a layer and a head; see the map as a heat map (rows = queries ``i``, columns = keys ``j``)
-and as lines between the tokens (bertviz's "head view", Vig 2019); hover a cell or a token to read
-the exact weight; click a thumbnail in the all-heads overview to jump to it. For self-attention
-the "rollout" view shows attention rollout (Abnar and Zuidema 2020) through each layer.
+Pick a layer and a head, or the mean of a layer's heads; see the map as a heat map (rows =
+queries ``i``, columns = keys ``j``) and as lines between the tokens (bertviz's "head view", Vig
+2019), one head or every head of the layer at once in its own colour; hover a cell or a token to
+read the weight; click a thumbnail in the overview to jump to it. For a sentence pair
+(``[CLS] A [SEP] B [SEP]``, or ``token_types``) the lines can be limited to A -> B, B -> A, A -> A
+or B -> B. For self-attention the "rollout" view shows attention rollout (Abnar and Zuidema 2020)
+through each layer.
 
-Input: attention ``(l, h, i, j)`` (or ``(h, i, j)``, ``(i, j)``), the query tokens (``i``) and, for
-cross-attention, the key tokens (``j``). Weights travel as base64 float32, so a few hundred tokens
-by 6 layers by 12 heads stay a few tens of MB at most; large maps are drawn on ``<canvas>``.
+Input: attention ``(l, h, i, j)`` (or ``(h, i, j)``, ``(i, j)``) with weights in ``[0, 1]``, the
+query tokens (``i``) and, for cross-attention, the key tokens (``j``). Large maps are drawn on
+``<canvas>``.
+
+Storage: every weight ``w`` travels as ``k = round(w * 4096)``, a 16-bit integer (low bytes, then
+high bytes), deflate-compressed and base64-encoded; the page inflates it with the browser's
+``DecompressionStream`` and uses ``k / 4096``. So for a float32 weight ``w`` the page's ``w'``
+obeys exactly ``|w' - w| <= 2**-13`` (:data:`ERROR_BOUND`, about 0.00012, a quarter of the 0.0005
+that three decimals need; float64 input is first rounded to float32, which adds at most 2**-25),
+and the page shows three decimals. The head average is the mean of the stored weights, within the
+same bound of the true mean plus float32 rounding (below 1e-7); rollout is computed from the
+weights in float64 and stored the same way, within 2**-13. 6 layers x 12 heads over 512 tokens
+make a page of about 12-16 MB (109 MB as base64 float32). :func:`page_weights` reads them back.
 
 Safety: tokens and text are user input. In markup they are HTML-escaped; the data travels in a
 ``<script type="application/json">`` whose ``<``, ``>``, ``&``, U+2028 and U+2029 are written as
@@ -22,6 +35,8 @@ from __future__ import annotations
 import base64
 import html as _html
 import os
+import re
+import zlib
 from collections.abc import Sequence
 from functools import cache
 from importlib import resources
@@ -32,7 +47,18 @@ import numpy as np
 
 from attnkit.viz._common import as_attention4d, check_index, json_for_script
 
-__all__ = ["CAVEAT", "AttentionExplorer", "explorer_html", "save_html"]
+__all__ = [
+    "CAVEAT",
+    "ERROR_BOUND",
+    "AttentionExplorer",
+    "explorer_html",
+    "page_weights",
+    "save_html",
+]
+
+SCALE = 4096  # weights travel as multiples of 1 / SCALE (a power of two: k / SCALE is exact)
+ERROR_BOUND = 0.5 / SCALE  # 2**-13: the largest |shown - original| of a stored weight
+_RANGE_SLACK = 1e-6  # float rounding of a softmax may leave a weight just outside [0, 1]
 
 CAVEAT = (
     "Attention is not explanation. These weights show where each head looked, not why the "
@@ -48,8 +74,66 @@ def _asset(name: str) -> str:
     return resources.files("attnkit.viz").joinpath(name).read_text(encoding="utf-8")
 
 
-def _b64_float32(arr: np.ndarray) -> str:
-    return base64.b64encode(np.ascontiguousarray(arr, dtype="<f4").tobytes()).decode("ascii")
+def _encode(arr: np.ndarray) -> str:
+    """Weights in ``[0, 1]`` as base64 of deflate(low bytes ++ high bytes of round(w * SCALE)).
+
+    Splitting the bytes into two planes lets deflate squeeze the high bytes, nearly all zero.
+    """
+    w = np.clip(arr, 0.0, 1.0)  # float32 weights or float64 rollout, rounded once from either
+    k = np.rint(w * SCALE).astype("<u2")  # w * SCALE is exact: SCALE is a power of two
+    planes = k.reshape(-1, 1).view(np.uint8).T  # (2, n): low bytes, then high bytes
+    # Level 1: deflate's higher levels take 5x longer here for 5-8 % smaller pages.
+    return base64.b64encode(zlib.compress(planes.tobytes(), 1)).decode("ascii")
+
+
+def _decode(b64: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The inverse of :func:`_encode`, as the page does it: ``k / SCALE`` in float32."""
+    planes = np.frombuffer(zlib.decompress(base64.b64decode(b64)), dtype=np.uint8)
+    n = planes.size // 2
+    k = planes[:n].astype(np.uint16) | (planes[n:].astype(np.uint16) << 8)
+    return (k.astype(np.float32) / SCALE).reshape(shape)
+
+
+def page_weights(page: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(weights (l, h, i, j), rollout (l, i, i) or None)`` as an explorer page stores them.
+
+    Each stored weight is within :data:`ERROR_BOUND` (``2**-13``) of the weight it was made from.
+    """
+    import json
+
+    match = re.search(r'<script type="application/json" class="ak-data">(.*?)</script>', page, re.S)
+    if match is None:
+        raise ValueError('page holds no explorer data (no <script class="ak-data"> element)')
+    data = json.loads(match.group(1))
+    l_, h, i, j = data["layers"], data["heads"], data["nq"], data["nk"]
+    rollout = None if data["rollout"] is None else _decode(data["rollout"], (l_, i, i))
+    return _decode(data["weights"], (l_, h, i, j)), rollout
+
+
+def _pair_segments(
+    tokens: list[str], token_types: Sequence[int] | None, cross: bool
+) -> list[int] | None:
+    """0 for sentence A and 1 for sentence B per token, or ``None`` when the input is no pair."""
+    if token_types is None:
+        if cross or "[SEP]" not in tokens[:-1]:
+            return None
+        sep = tokens.index("[SEP]")  # [CLS] A [SEP] B [SEP]: A ends at the first [SEP]
+        return [0] * (sep + 1) + [1] * (len(tokens) - sep - 1)
+    if cross:
+        raise ValueError("token_types needs self-attention (the same query and key tokens)")
+    if hasattr(token_types, "tolist"):  # a tensor or an array, e.g. token_type_ids[0]
+        token_types = token_types.tolist()
+    if isinstance(token_types, str) or not isinstance(token_types, Sequence):
+        raise TypeError(f"token_types must be a list of 0 and 1, got {type(token_types).__name__}")
+    bad = [t for t in token_types if isinstance(t, bool) or t not in (0, 1)]
+    if len(token_types) != len(tokens) or bad:
+        raise ValueError(
+            f"token_types must hold 0 (sentence A) or 1 (sentence B) for each of the "
+            f"{len(tokens)} tokens; got {len(token_types)} values"
+            + (f", among them {bad[0]!r}" if bad else "")
+        )
+    types = [int(t) for t in token_types]
+    return types if set(types) == {0, 1} else None
 
 
 class AttentionExplorer:
@@ -60,8 +144,13 @@ class AttentionExplorer:
         tokens: the ``i`` query tokens.
         key_tokens: the ``j`` key tokens for cross-attention (default: ``tokens``).
         title: page heading. text: the input text, shown under it (both escaped).
-        layer, head: what the page shows first.
+        layer: the layer shown first; ``None`` = the last one.
+        head: the head shown first; ``None`` = the mean of the layer's heads. The defaults show
+            what ``attnkit show`` summarises by default: the last layer's head average.
         rollout: offer the rollout view (self-attention only; ``None`` = when ``i == j``).
+        token_types: 0 (sentence A) or 1 (sentence B) per token, as BERT's ``token_type_ids``,
+            for the A/B filter of the lines; ``None`` = from the tokens when a ``[SEP]`` comes
+            before the last token (``[CLS] A [SEP] B [SEP]``), else no filter.
     """
 
     def __init__(
@@ -72,23 +161,32 @@ class AttentionExplorer:
         *,
         title: str = "Attention explorer",
         text: str | None = None,
-        layer: int | None = 0,
-        head: int | None = 0,
+        layer: int | None = None,
+        head: int | None = None,
         rollout: bool | None = None,
+        token_types: Sequence[int] | None = None,
     ) -> None:
         arr, q_tokens, k_tokens = as_attention4d(attention, tokens, key_tokens)
         n_layers, n_heads, i, j = arr.shape
-        self.weights = arr.astype(np.float32)  # (l, h, i, j): what the page shows, exactly
+        low, high = float(arr.min()), float(arr.max())
+        if low < -_RANGE_SLACK or high > 1 + _RANGE_SLACK:
+            raise ValueError(
+                f"attention weights must lie in [0, 1] (the page stores multiples of 1/{SCALE}); "
+                f"got values from {low:.6g} to {high:.6g} in shape {tuple(arr.shape)}"
+            )
+        self.weights = arr.astype(np.float32)  # (l, h, i, j), as given
         self.tokens = q_tokens
         self.key_tokens = k_tokens
         self.title = str(title)
         self.text = text
-        self.layer = check_index(layer, n_layers, "layer") or 0  # None: the first
-        self.head = check_index(head, n_heads, "head") or 0
+        checked = check_index(layer, n_layers, "layer")
+        self.layer = n_layers - 1 if checked is None else checked
+        self.head = check_index(head, n_heads, "head")  # None: the mean of the heads
         if rollout and i != j:
             raise ValueError(f"rollout needs self-attention (i == j), got i={i}, j={j}")
         self.rollout = (i == j) if rollout is None else bool(rollout)
         self.cross = i != j or (key_tokens is not None and list(key_tokens) != list(tokens))
+        self.segments = _pair_segments(q_tokens, token_types, self.cross)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -103,10 +201,12 @@ class AttentionExplorer:
             "nk": j,
             "queryTokens": self.tokens,
             "keyTokens": self.key_tokens,
-            "weights": _b64_float32(self.weights),
+            "scale": SCALE,
+            "weights": _encode(self.weights),
             "rollout": None,
             "layer": self.layer,
             "head": self.head,
+            "segments": self.segments,
         }
         if self.rollout:
             import torch
@@ -116,7 +216,7 @@ class AttentionExplorer:
             rolled = attention_rollout(
                 torch.from_numpy(self.weights.astype(np.float64)), all_layers=True
             )  # (l, i, i)
-            data["rollout"] = _b64_float32(rolled.numpy())
+            data["rollout"] = _encode(rolled.numpy())
         return data
 
     def to_html(self) -> str:
@@ -125,7 +225,8 @@ class AttentionExplorer:
         kind = "cross-attention" if self.cross else "self-attention"
         summary = (
             f"{n_layers} layer{'s' * (n_layers != 1)} × {n_heads} "
-            f"head{'s' * (n_heads != 1)}, {i} queries × {j} keys ({kind})"
+            f"head{'s' * (n_heads != 1)}, {i} queries × {j} keys ({kind}); "
+            f"weights shown to 3 decimals (stored within ±{ERROR_BOUND:.5f})"
         )
         text = (
             ""
@@ -210,7 +311,7 @@ _PAGE = """<!DOCTYPE html>
 <label>Head <select class="ak-head"></select></label>
 <label><input type="checkbox" class="ak-stretch"> stretch colours to this map's maximum</label>
 </div>
-<div class="ak-readout" aria-live="polite">Hover a cell or a token to read its weight.</div>
+<div class="ak-readout" aria-live="polite">Loading the weights…</div>
 <div class="ak-panels">
 <section class="ak-panel">
 <h2>Heat map <small>(rows: queries i, columns: keys j)</small></h2>
@@ -219,11 +320,18 @@ _PAGE = """<!DOCTYPE html>
 </section>
 <section class="ak-panel">
 <h2>Lines <small>(query → key; hover a token)</small></h2>
+<div class="ak-lines-controls">
+<label><input type="checkbox" class="ak-overlay"> every head of the layer, one colour each</label>
+<label class="ak-pair-label" hidden>Sentences <select class="ak-pair">
+<option value="all">all</option><option value="AB">A → B</option><option value="BA">B → A</option>
+<option value="AA">A → A</option><option value="BB">B → B</option></select></label>
+</div>
+<div class="ak-swatches" hidden></div>
 <div class="ak-lines"></div>
 </section>
 </div>
 <section class="ak-overview-panel">
-<h2>All heads <small>(click one to show it)</small></h2>
+<h2>All heads <small>(and each layer's mean; click one to show it)</small></h2>
 <div class="ak-overview"></div>
 </section>
 <noscript>This explorer needs JavaScript; the static heat maps in attnkit.viz do not.</noscript>
