@@ -103,6 +103,7 @@ def write_chart(
 
     matplotlib.use("Agg")  # no display: the scripts run on headless machines
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
     from PIL import Image
 
     rows = list(rows)
@@ -113,7 +114,7 @@ def write_chart(
     groups = list(dict.fromkeys(group(line) if group else line for line in series))
     palette = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20").colors
     colour = {g: palette[i % len(palette)] for i, g in enumerate(groups)}
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4.0), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.0), squeeze=False)
     markers = "osD^vPXh<>"
     for ax, (key, heading, unit) in zip(axes[0], panels, strict=True):
         for index, line in enumerate(series):
@@ -126,13 +127,16 @@ def write_chart(
                     label=line, color=colour[group(line) if group else line],
                     linestyle="--" if line in baselines else "-")  # fmt: skip
         ax.set_xscale("log", base=2)
-        if log_y:
-            ax.set_yscale("log")
-        else:
-            ax.set_ylim(bottom=0)
         ticks = sorted({float(r[x]) for r in rows})  # type: ignore[arg-type]
         ax.set_xticks(ticks, [f"{t:,.0f}" for t in ticks])
         ax.minorticks_off()
+        if log_y:  # ticks at 1, 2, 5 x 10^k, written as plain numbers
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,g}"))
+            ax.yaxis.set_minor_locator(NullLocator())
+        else:
+            ax.set_ylim(bottom=0)
         ax.set_xlabel(x_label)
         ax.set_ylabel(unit)
         ax.set_title(heading, fontsize=10)
@@ -143,13 +147,13 @@ def write_chart(
             if text not in labels:
                 handles.append(handle)
                 labels.append(text)
-    columns = min(len(labels), 4 if len(panels) < 3 else 5)
+    columns = min(len(labels), 2 * len(panels))
     fig.suptitle(title, fontsize=11)
-    fig.legend(handles, labels, loc="lower center", ncols=columns, fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="lower center", ncols=columns, fontsize=9, frameon=False)
     rows_of_legend = -(-len(labels) // columns)
-    fig.tight_layout(rect=(0, 0.05 + 0.055 * rows_of_legend, 1, 1))
+    fig.tight_layout(rect=(0, 0.03 + 0.06 * rows_of_legend, 1, 1))
     png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=90, metadata={"Software": None})
+    fig.savefig(png, format="png", dpi=100, metadata={"Software": None})
     plt.close(fig)
     # A 256-colour palette: line charts lose nothing and the files stay small.
     image = Image.open(io.BytesIO(png.getvalue())).convert("RGB").quantize(256)

@@ -303,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def chart(rows: list[dict], dtype: str, out_dir=None):
-    """Draw ``flex-DTYPE.png`` from the rows ``main`` measured: time and peak extra memory of
-    each scenario's flex and dense routes against n."""
+    """Draw ``flex-DTYPE.png`` from the rows ``main`` measured: forward+backward time and peak
+    extra memory of each scenario's flex and dense routes against n."""
     from _report import CHARTS as folder
     from _report import write_chart
 
@@ -312,7 +312,6 @@ def chart(rows: list[dict], dtype: str, out_dir=None):
         {
             "series": f"{r['key'][0]}, {r['route']}",
             "n": r["key"][1],
-            "fwd_s": r["times"].get("fwd"),
             "fwdbwd_s": r["times"].get("fwdbwd"),
             "fwdbwd_mb": r["mem"].get("fwdbwd"),
         }
@@ -323,12 +322,10 @@ def chart(rows: list[dict], dtype: str, out_dir=None):
         f"flex-{dtype}",
         points,
         panels=[
-            ("fwd_s", "forward", "seconds"),
-            ("fwdbwd_s", "forward + backward", "seconds"),
+            ("fwdbwd_s", "time, forward + backward", "seconds"),
             ("fwdbwd_mb", "peak extra memory, forward + backward", "MB"),
         ],
-        title=f"attnkit.flex against the dense route, b = 1, h = {HEADS}, d = {DIM}, {dtype}; "
-        "dashed: dense",
+        title=f"attnkit.flex, b = 1, h = {HEADS}, d = {DIM}, {dtype}; dashed: the dense route",
         baselines=[p["series"] for p in points if not p["series"].endswith(", flex")],
         group=lambda series: series.rsplit(", ", 1)[0],  # a scenario's routes share a colour
         out_dir=out_dir or folder,
