@@ -48,6 +48,18 @@ def test_home_page_says_what_installs_and_runs_ten_lines(
     assert (tmp_path / "heads.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_efficient_attention_tells_the_idea_and_points_to_the_measurements() -> None:
+    """The concept page explains (online softmax, tiles, skipping, the recomputing backward,
+    tuning notes); the measured tables live on the benchmarks page, which it links to."""
+    text = (DOCS / "concepts" / "efficient.md").read_text("utf-8")
+    assert "<!-- include:benchmarks:" not in text
+    assert not re.search(r"^\|.*\|$", text, flags=re.M), "a table: move it to benchmarks.md"
+    for heading in ("## Tiling", "### The backward pass", "### Tuning notes", "## Sparse"):
+        assert f"\n{heading}" in text
+    links = set(re.findall(r"\]\(\.\./benchmarks\.md#([\w-]+)\)", text))
+    assert {"efficient-attention-on-cpu-benchmarksattentionpy", "tuning-the-tiled-backend"} <= links
+
+
 def test_every_page_is_in_the_nav() -> None:
     nav = (DOCS.parent / "mkdocs.yml").read_text(encoding="utf-8")
     for page in DOCS.rglob("*.md"):
