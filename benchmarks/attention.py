@@ -19,6 +19,9 @@ median forward and forward+backward time and the peak extra memory of:
     sparse window 256      the sparse backend, causal sliding window of 256 keys
     chunked                query-chunked exact attention (checkpointed in backward)
     linear / linear causal kernelised linear attention (a different attention, for scale)
+    fused, fused causal, fused + ALiBi fn, fused + relative fn (not in the default grid)
+                           the fused C++ kernel of the tiled algorithm (backend "fused"),
+                           built on first use; ``--dtype bfloat16`` runs every route in bfloat16
 
 and a float32 matmul's GFLOP/s in the same processes, as the machine's ceiling.
 
@@ -71,7 +74,14 @@ METHODS = [
 ]
 # Not in the default grid: the same bias functions without the ``relative`` declaration, so the
 # tiled backend evaluates them per tile (what an arbitrary bias function costs).
-EXTRA_METHODS = ["tiled + ALiBi fn, undeclared", "tiled + relative fn, undeclared"]
+EXTRA_METHODS = [
+    "tiled + ALiBi fn, undeclared",
+    "tiled + relative fn, undeclared",
+    "fused",
+    "fused causal",
+    "fused + ALiBi fn",
+    "fused + relative fn",
+]
 # Methods that build n x n tensors, with bytes per (b * h * n * n) element at peak, estimated
 # for forward+backward (the cap below skips them where they would not fit).
 DENSE_BYTES = {
@@ -134,6 +144,7 @@ def make_call(method: str, q, k, v):
     import torch
     import torch.nn.functional as F
 
+    import attnkit.backends.fused  # noqa: F401  (registers "fused")
     from attnkit import masks, scaled_dot_product_attention
     from attnkit.backends.linear import linear_attention
 
@@ -147,7 +158,7 @@ def make_call(method: str, q, k, v):
         "torch": lambda: F.scaled_dot_product_attention(q, k, v),
         "torch causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "torch + ALiBi tensor": lambda: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=masks.materialize(alibi, (1, HEADS, n, n))
+            q, k, v, attn_mask=masks.materialize(alibi, (1, HEADS, n, n)).to(q.dtype)
         ),
         "torch + window mask": lambda: F.scaled_dot_product_attention(
             q, k, v, attn_mask=masks.sliding_window_mask(n, left=WINDOW - 1)
@@ -160,7 +171,7 @@ def make_call(method: str, q, k, v):
             q, k, v, bias=alibi, backend="tiled"
         ),
         "torch + relative tensor": lambda: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=masks.materialize(relative, (1, HEADS, n, n))
+            q, k, v, attn_mask=masks.materialize(relative, (1, HEADS, n, n)).to(q.dtype)
         ),
         "tiled + relative fn": lambda: scaled_dot_product_attention(
             q, k, v, bias=relative, backend="tiled"
@@ -175,6 +186,16 @@ def make_call(method: str, q, k, v):
             q, k, v, window, backend="sparse"
         ),
         "chunked": lambda: scaled_dot_product_attention(q, k, v, backend="chunked"),
+        "fused": lambda: scaled_dot_product_attention(q, k, v, backend="fused"),
+        "fused causal": lambda: scaled_dot_product_attention(
+            q, k, v, is_causal=True, backend="fused"
+        ),
+        "fused + ALiBi fn": lambda: scaled_dot_product_attention(
+            q, k, v, bias=alibi, backend="fused"
+        ),
+        "fused + relative fn": lambda: scaled_dot_product_attention(
+            q, k, v, bias=relative, backend="fused"
+        ),
         "linear": lambda: linear_attention(q, k, v),
         "linear causal": lambda: linear_attention(q, k, v, is_causal=True),
     }
@@ -203,12 +224,13 @@ def worker(job: dict) -> dict:
     torch.set_num_threads(job["threads"])
     torch.manual_seed(0)
     b, n = job["b"], job["n"]
-    inputs = [torch.randn(b, HEADS, n, DIM, requires_grad=True) for _ in range(3)]
+    dtype = getattr(torch, job.get("dtype", "float32"))
+    inputs = [torch.randn(b, HEADS, n, DIM, dtype=dtype, requires_grad=True) for _ in range(3)]
     q, k, v = inputs
     if job["kind"] == "memory":
         # Page in the code this method runs (kernels, thread pools) on tiny inputs first, so
         # the measurement counts tensors, not shared libraries touched for the first time.
-        tiny = [torch.randn(1, HEADS, 64, DIM, requires_grad=True) for _ in range(3)]
+        tiny = [torch.randn(1, HEADS, 64, DIM, dtype=dtype, requires_grad=True) for _ in range(3)]
         _step(make_call(job["method"], *tiny), job["mode"], tiny)
         del tiny
         fn = make_call(job["method"], q, k, v)
@@ -272,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument(
         "--methods", nargs="+", default=METHODS, choices=METHODS + EXTRA_METHODS, metavar="M"
     )
@@ -311,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             "modes": args.modes,
             "repeats": args.repeats,
             "warmup": args.warmup,
+            "dtype": args.dtype,
         }
         times = run_worker(job, args.timeout)
         ceiling.append(2 * 2048**3 / times["matmul"] / 1e9)

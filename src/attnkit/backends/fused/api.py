@@ -21,9 +21,12 @@ from attnkit.registry import AttentionCall, register_backend
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "fused_attention", "run", "why_not"]
 
-# Tile sizes (measured choices: docs/benchmarks.md, "The fused CPU kernel").
+# Tile sizes (measured choices: docs/benchmarks.md, "The fused CPU kernel"): queries x keys of
+# the forward, and of the backward (whose inner loop runs over query blocks).
 BLOCK_Q = 64
 BLOCK_K = 256
+BACKWARD_BLOCK_Q = 256
+BACKWARD_BLOCK_K = 256
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -31,12 +34,14 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 @dataclass(frozen=True)
 class Setup:
     """How one call runs: the kernel's input dtype, whether bfloat16 operands are packed in
-    pairs (``pairs_of_rows``), and the tile sizes."""
+    pairs (``pairs_of_rows``), and the tile sizes of the forward and of the backward."""
 
     dtype: torch.dtype
     packed: bool
     block_q: int
     block_k: int
+    backward_q: int
+    backward_k: int
 
 
 def _divisor(n: int, cap: int) -> int:
@@ -47,22 +52,24 @@ def _divisor(n: int, cap: int) -> int:
 
 
 def setup(q: Tensor, p: Plan, kernel) -> Setup:
-    bq, bk = BLOCK_Q, BLOCK_K
+    tiles = [BLOCK_Q, BLOCK_K, BACKWARD_BLOCK_Q, BACKWARD_BLOCK_K]
     if p.layout is not None:  # every tile inside one layout cell
-        bq, bk = _divisor(p.layout_block, BLOCK_Q), _divisor(p.layout_block, BLOCK_K)
+        tiles = [_divisor(p.layout_block, t) for t in tiles]
     if q.dtype == torch.float64:
-        return Setup(torch.float64, False, bq, bk)
-    packed = q.dtype == torch.bfloat16 and bq % 2 == 0 and bk % 2 == 0
+        return Setup(torch.float64, False, *tiles)
+    packed = q.dtype == torch.bfloat16 and all(t % 2 == 0 for t in tiles)
     if packed and kernel.bfloat16_packed_ok():
-        return Setup(torch.bfloat16, True, bq, bk)
-    return Setup(torch.float32, False, bq, bk)  # float16 (and unpacked bfloat16) in float32
+        return Setup(torch.bfloat16, True, *tiles)
+    return Setup(torch.float32, False, *tiles)  # float16 (and unpacked bfloat16) in float32
 
 
 # The operands' layouts. A bfloat16 B operand is packed in pairs of rows (fused.h ``matmul``).
 
 
 def _pad_even(x: Tensor) -> Tensor:
-    """``(..., n, d)`` padded with zeros to even ``n`` and ``d``."""
+    """``(..., n, d)`` padded with zeros to even ``n`` and ``d`` (``x`` itself when even)."""
+    if x.shape[-1] % 2 == 0 and x.shape[-2] % 2 == 0:
+        return x
     return F.pad(x, (0, x.shape[-1] % 2, 0, x.shape[-2] % 2))
 
 
@@ -82,9 +89,9 @@ def _transposed(x: Tensor) -> Tensor:
     return x.transpose(-1, -2).contiguous()
 
 
-def _ints(q: Tensor, k: Tensor, v: Tensor, p: Plan, s: Setup) -> list[int]:
+def _ints(q: Tensor, k: Tensor, v: Tensor, p: Plan, tiles: tuple[int, int]) -> list[int]:
     nb, h, ni, d = q.shape
-    return [nb, h, k.shape[1], ni, k.shape[2], d, v.shape[-1], s.block_q, s.block_k,
+    return [nb, h, k.shape[1], ni, k.shape[2], d, v.shape[-1], *tiles,
             p.band_lo, p.band_hi, p.layout_block]  # fmt: skip
 
 
@@ -122,7 +129,7 @@ def _forward(q, k, v, bias, p: Plan, s: Setup):
     q_norm, k_norm = _norms(q_, k_, p, acc)
     kernel.forward(
         q_op, kt_op, v_op, out, lse, poisoned, bad, p.mask, bias_, p.relative, p.layout,
-        q_norm, k_norm, _ints(q, k, v, p, s), [p.scale, negligible_bits(acc)],
+        q_norm, k_norm, _ints(q, k, v, p, (s.block_q, s.block_k)), [p.scale, negligible_bits(acc)],
     )  # fmt: skip
     return out, lse, poisoned, bad
 
@@ -146,7 +153,9 @@ def _backward(q, k, v, bias, out, lse, grad_out, bad, p: Plan, s: Setup, want_db
     q_, k_, v_, do = (t.to(s.dtype) for t in (q, k, v, grad_out))
     if bad is not None:
         v_ = v_.masked_fill(bad, 0.0)
-    delta = (grad_out.to(acc) * out).sum(dim=-1)  # D = rowsum(dO * O)  (b, h, i)
+    delta = q.new_empty(nb, h, ni, dtype=acc)  # D = rowsum(dO * O), a head at a time (memory)
+    for head in range(h):
+        delta[:, head] = (grad_out[:, head].to(acc) * out[:, head].to(acc)).sum(dim=-1)
     # A row that saw no key: lse2 = 0, so that p = exp2(blocked) = 0 (backward.py)
     lse2 = torch.where(lse <= blocked(acc) * 0.5, 0.0, lse * LOG2E)  # NaN stays NaN
     nan_rows = bool(torch.isnan(lse).any())
@@ -168,12 +177,14 @@ def _backward(q, k, v, bias, out, lse, grad_out, bad, p: Plan, s: Setup, want_db
     kernel.backward(
         k_op, v_op, kt_op, q_t.contiguous(), do_t, do_rows, q_rows.contiguous(), lse2, delta,
         dq_t, dk_h, dv_h, dbias_full, p.mask, bias_, relative, p.layout, q_norm, k_norm,
-        _ints(q, k, v, p, s), [p.scale, negligible_bits(acc), float(nan_rows)],
+        _ints(q, k, v, p, (s.backward_q, s.backward_k)),
+        [p.scale, negligible_bits(acc), float(nan_rows)],
     )  # fmt: skip
     g = h // hk
-    dq = dq_t.transpose(-1, -2)[:, :, :ni, :d] * p.scale
-    dk = dk_h.view(nb, hk, g, nj_p, d_p).sum(dim=2)[:, :, :nj, :d] * p.scale
-    dv_ = dv_h.view(nb, hk, g, nj_p, dv_p).sum(dim=2)[:, :, :nj, :dv]
+    dq = dq_t.mul_(p.scale).transpose(-1, -2)[:, :, :ni, :d]
+    dk = (dk_h if g == 1 else dk_h.view(nb, hk, g, nj_p, d_p).sum(dim=2))[:, :, :nj, :d]
+    dk = dk.mul_(p.scale)
+    dv_ = (dv_h if g == 1 else dv_h.view(nb, hk, g, nj_p, dv_p).sum(dim=2))[:, :, :nj, :dv]
     if bad is not None:
         dv_ = dv_.masked_fill(bad, 0.0)
     dbias = None if dbias_full is None else _sum_to(dbias_full, bias.shape)
@@ -187,10 +198,11 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, p: Plan, s: Setup):  # type: ignore[override]
         out, lse, poisoned, bad = _forward(q, k, v, bias, p, s)
         ctx.plan, ctx.setup, ctx.bad = p, s, bad
+        out = out.to(q.dtype)  # kept as returned (before NaN), as torch keeps its output
         ctx.save_for_backward(q, k, v, bias, out, lse, poisoned)
         ctx.mark_non_differentiable(lse)
         result = out if poisoned is None else out.masked_fill(poisoned, float("nan"))
-        return result.to(q.dtype), lse
+        return result, lse
 
     @staticmethod
     def backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):  # type: ignore[override]

@@ -109,7 +109,7 @@ def exact_parts(fn) -> list[tuple[str, tuple]] | None:
         return [("band", (c["offset"] - c["left"], c["offset"] + c["right"]))]
     if code is _BLOCK:
         c = _closure(fn.fn)
-        return [("layout", (c["padded"][: c["nqb"], : c["nkb"]].cpu(), c["block"]))]
+        return [("layout", (c["padded"][: c["nqb"], : c["nkb"]].contiguous().cpu(), c["block"]))]
     if code is _ALL_OF:
         pieces: list[tuple[str, tuple]] = []
         for part in _closure(fn.fn)["parts"]:
