@@ -74,7 +74,7 @@ def test_generate_table_round_trips() -> None:
     assert sorted(charts.generate_rows(table), key=str) == sorted(rows, key=str)
 
 
-def test_hf_models_table_round_trips() -> None:
+def test_hf_models_table_round_trips(tmp_path: Path) -> None:
     cell = {"seconds": 1.25, "cpu_seconds": 2.5, "peak_mib": 300.0}
     rows = [
         {"model": "llama", "n": 2048, "load": 1.0, "attnkit": cell, "sdpa": cell, "eager": cell},
@@ -85,6 +85,7 @@ def test_hf_models_table_round_trips() -> None:
     back = charts.hf_rows(table)
     assert back[0] == {k: v for k, v in rows[0].items() if k != "load"}
     assert "eager" not in back[1] and back[1]["attnkit"] == cell  # "not run"
+    assert charts.hf_bench.chart(back, tmp_path).read_bytes()[:8] == PNG
 
 
 def test_write_chart_draws_what_was_measured(tmp_path: Path) -> None:
