@@ -26,8 +26,12 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# Headless Chromium for the browser test of the HTML explorer (Debian packages).
+# Headless Chromium for the browser test of the HTML explorer, and a C++ compiler for the
+# fused CPU kernel (built on first use) (Debian packages).
 system-deps:
+	@if ! command -v c++ >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++; \
+	fi
 	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
 	fi
