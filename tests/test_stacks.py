@@ -8,8 +8,10 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from attnkit import TransformerConfig, TransformerDecoder, TransformerEncoder, masks
+from attnkit.variants import AttentionVariants
 
 D64 = torch.float64
 
@@ -194,3 +196,144 @@ def test_stacks_run_forward_and_backward_in_low_precision(mode: str, positional:
         out.float().square().mean().backward()
         grads = [p.grad for p in stack.parameters() if p.requires_grad and p.grad is not None]
         assert grads and all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+# --- registers (Darcet et al. 2023) and value residuals (Zhou et al. 2024) --------------------
+
+
+def _encoder_formula(enc: TransformerEncoder, x: torch.Tensor, lengths: torch.Tensor):
+    """A pre-norm encoder on vectors written out directly: ``r`` register vectors before the
+    tokens, padded keys masked (registers never are), values ``lambda_1 v_n + lambda_2 v_1``
+    from layer 2 on, the registers dropped at the end."""
+    c = enc.config
+    e, h = c.embed_dim, c.num_heads
+    d = e // h
+    b, n, _ = x.shape
+    r = c.registers
+    if r:
+        x = torch.cat([enc.registers.tokens.expand(b, r, e), x], dim=1)
+    keep = torch.cat([torch.ones(b, r, dtype=torch.bool), torch.arange(n) < lengths[:, None]], 1)
+    first = None
+    for block in enc.blocks:
+        attn = block.attn
+        y = F.layer_norm(x, (e,), block.attn_norm.weight, block.attn_norm.bias, c.eps)
+        q, k, v = (y @ attn.in_proj.weight.T + attn.in_proj.bias).split(e, dim=-1)
+        q, k, v = (t.view(b, r + n, h, d).transpose(1, 2) for t in (q, k, v))
+        if first is None:
+            first = v
+        elif c.variants is not None and c.variants.value_residual is not None:
+            lambdas = attn.value_mix.lambdas
+            v = lambdas[0] * v + lambdas[1] * first
+        s = q @ k.transpose(-2, -1) / d**0.5
+        s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+        out = (torch.softmax(s, dim=-1) @ v).transpose(1, 2).reshape(b, r + n, e)
+        x = x + out @ attn.out_proj.weight.T + attn.out_proj.bias
+        y = F.layer_norm(x, (e,), block.ffn_norm.weight, block.ffn_norm.bias, c.eps)
+        x = x + block.ffn(y)
+    x = F.layer_norm(x, (e,), enc.norm.weight, enc.norm.bias, c.eps)
+    return x[:, r:]
+
+
+@pytest.mark.parametrize("registers", [0, 3])
+@pytest.mark.parametrize("value_residual", [None, "fixed", "learned"])
+def test_registers_and_value_residual_equal_their_formula_with_gradients(
+    registers: int, value_residual: str | None
+) -> None:
+    variants = None if value_residual is None else AttentionVariants(value_residual=value_residual)
+    config = TransformerConfig(
+        embed_dim=16, num_heads=4, num_layers=3, positional="none", registers=registers,
+        variants=variants,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    enc = TransformerEncoder(config).to(D64)
+    with torch.no_grad():  # registers and mixes away from their initial values
+        for name, p in enc.named_parameters():
+            if name.startswith("registers") or "value_mix" in name:
+                p.normal_()
+    lengths = torch.tensor([7, 4])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 7, 16, dtype=D64, generator=g).requires_grad_()
+    weight = torch.randn(2, 7, 16, dtype=D64, generator=g)
+    leaves = [x, *enc.parameters()]
+    results = []
+    for out in (enc(x, masks.padding_mask(lengths))[0], _encoder_formula(enc, x, lengths)):
+        results.append((out, *torch.autograd.grad((out * weight).sum(), leaves)))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_registers_extend_the_mask() -> None:
+    """Every query sees every register; a register's row sees the registers and every key some
+    query sees; a mask function is evaluated first."""
+    from attnkit.variants import Registers
+
+    registers = Registers(2, 8)
+    keep = masks.causal_mask(3, 3) & masks.padding_mask(torch.tensor([3, 2]))  # (2, 1, 3, 3)
+    got = registers.extend_mask(keep, 3, 2, 4, torch.device("cpu"))
+    expected = torch.tensor(
+        [
+            [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]],
+            [[1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0]],
+        ],
+        dtype=torch.bool,
+    )[:, None]
+    assert torch.equal(got, expected)
+    pad = registers.extend_mask(masks.padding_mask(torch.tensor([3, 1])), 3, 2, 4, "cpu")
+    assert pad.shape == (2, 1, 1, 5) and pad[1, 0, 0].tolist() == [True] * 3 + [False] * 2
+    from_fn = registers.extend_mask(masks.causal_fn(), 3, 2, 4, torch.device("cpu"))
+    assert torch.equal(from_fn.expand(2, 4, 5, 5), expected[:1].expand(2, 4, 5, 5))
+    assert registers.extend_mask(None, 3, 2, 4, "cpu") is None
+    with pytest.raises(ValueError, match=r"i = j = 3 tokens, got dtype torch.bool, shape \(4,\)"):
+        registers.extend_mask(torch.ones(4, dtype=torch.bool), 3, 2, 4, "cpu")
+
+
+def test_registers_keep_padding_out_and_show_in_the_weights() -> None:
+    """Changing padded tokens changes no real token's output (nor, through the registers,
+    anything else); the maps keep the registers first, ``(b, h, r + i, r + i)``."""
+    config = dataclasses.replace(CFG, positional="rope", registers=2, num_layers=2)
+    torch.manual_seed(0)
+    enc = TransformerEncoder(config).to(D64).eval()
+    ids = torch.randint(1, 23, (2, 6))
+    rows = masks.causal_mask(6, 6) | ~masks.causal_mask(6, 6)  # every row its own (all True)
+    for mask in (masks.padding_mask(torch.tensor([6, 3])), rows & masks.padding_mask([6, 3])):
+        hidden, weights = enc(ids, mask, need_weights=True)
+        assert hidden.shape == (2, 6, 16)
+        assert weights is not None and weights[0].shape == (2, 4, 8, 8)
+        assert bool((weights[0][1, :, :, 5:] == 0).all())  # padded keys, registers' rows too
+        torch.testing.assert_close(weights[0].sum(-1), torch.ones(2, 4, 8, dtype=D64))
+        changed = ids.clone()
+        changed[1, 3:] = (changed[1, 3:] + 5) % 23
+        again, _ = enc(changed, mask)
+        torch.testing.assert_close(again[1, :3], hidden[1, :3], atol=1e-12, rtol=0)
+        torch.testing.assert_close(again[0], hidden[0], atol=1e-12, rtol=0)
+    assert enc.registers.tokens.std() < 1e-5  # DINOv2's initialisation, N(0, 1e-6^2)
+    with pytest.raises(ValueError, match="registers are for encoders"):
+        TransformerDecoder(config)
+    with pytest.raises(ValueError, match="registers must be an int >= 0"):
+        dataclasses.replace(CFG, registers=-1)
+
+
+def test_value_residual_with_checkpointing_and_a_cache() -> None:
+    """Gradient checkpointing recomputes each block with the first layer's values it was
+    given (same gradients); a decoder's KV-cache decoding equals its full forward."""
+    config = dataclasses.replace(
+        CFG, num_layers=3, variants=AttentionVariants(value_residual="learned"), registers=2
+    )
+    torch.manual_seed(0)
+    plain = TransformerEncoder(config).to(D64).train()
+    ckpt = TransformerEncoder(dataclasses.replace(config, gradient_checkpointing=True)).to(D64)
+    ckpt.load_state_dict(plain.state_dict())
+    ckpt.train()
+    ids = torch.randint(0, 23, (2, 6))
+    for model in (plain, ckpt):
+        out, _ = model(ids, masks.padding_mask(torch.tensor([6, 4])))
+        (out**2).sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-12, rtol=0, msg=name)
+    decoder = TransformerDecoder(dataclasses.replace(config, registers=0)).to(D64).eval()
+    full, _ = decoder(ids)
+    caches = decoder.new_caches()
+    steps = [decoder(ids[:, :2], caches=caches)[0]]
+    steps += [decoder(ids[:, t : t + 1], caches=caches)[0] for t in range(2, 6)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-10, rtol=0)

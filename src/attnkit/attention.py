@@ -30,6 +30,7 @@ bias is zero, so at initialisation attention is a function of the inputs only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -40,7 +41,14 @@ import attnkit.backends  # noqa: F401  (registers the backends a module's `backe
 from attnkit._numerics import no_autocast, to_autocast
 from attnkit.functional import scaled_dot_product_attention
 from attnkit.masks import BiasFn, MaskFn
-from attnkit.variants import AttentionVariants, OutputGate, QKNorm
+from attnkit.variants import (
+    AttentionVariants,
+    DifferentialAttention,
+    OutputGate,
+    QKNorm,
+    ValueMix,
+    ValueResidual,
+)
 
 __all__ = ["KVCache", "MultiHeadAttention", "QKTransform"]
 
@@ -168,8 +176,8 @@ class MultiHeadAttention(nn.Module):
         bias: whether the projections have biases.
         dropout: probability of dropping an attention weight, applied only in training mode.
         backend: attention backend name (``"auto"``, ``"math"``, ``"torch"``, or any registered).
-        variants: soft-capping, attention sinks, qk-norm and output gates
-            (``attnkit.variants.AttentionVariants``); ``None``: none of them.
+        variants: soft-capping, attention sinks, qk-norm, output gates, differential attention
+            and value residuals (``attnkit.variants.AttentionVariants``); ``None``: none.
     """
 
     def __init__(
@@ -228,10 +236,23 @@ class MultiHeadAttention(nn.Module):
         if not isinstance(self.variants, AttentionVariants):
             raise TypeError(f"variants must be AttentionVariants, got {type(variants).__name__}")
         var = self.variants
-        self.q_norm = None if var.qk_norm is None else QKNorm(self.head_dim, var.qk_norm)
-        self.k_norm = None if var.qk_norm is None else QKNorm(self.head_dim, var.qk_norm)
+        if var.differential and self.head_dim % 2:
+            raise ValueError(
+                f"differential attention splits each head in two: head width embed_dim // "
+                f"num_heads = {self.head_dim} must be even"
+            )
+        self.differential = (
+            DifferentialAttention(self.head_dim, var.layer) if var.differential else None
+        )
+        # qk-norm normalises what a map's scores see: each half of a differential head
+        qk_width = self.head_dim // 2 if var.differential else self.head_dim
+        self.q_norm = None if var.qk_norm is None else QKNorm(qk_width, var.qk_norm)
+        self.k_norm = None if var.qk_norm is None else QKNorm(qk_width, var.qk_norm)
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if var.sinks else None
         self.gate = None if var.gate is None else OutputGate(embed_dim, num_heads, var.gate)
+        # the first layer hands its values on; later layers mix them in (Zhou et al. 2024)
+        takes_values = var.value_residual is not None and var.layer > 1
+        self.value_mix = ValueMix(var.value_residual == "learned") if takes_values else None
         self.reset_parameters()
 
     @property
@@ -308,6 +329,7 @@ class MultiHeadAttention(nn.Module):
         bias: Tensor | BiasFn | None = None,
         rope: QKTransform | None = None,
         cache: KVCache | None = None,
+        value_residual: ValueResidual | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend from ``query`` to ``key``/``value``.
 
@@ -329,6 +351,9 @@ class MultiHeadAttention(nn.Module):
                 values are appended to it. In cross-attention (``key`` given) it holds the
                 memory's projected keys and values: filled on the first call, reused on later
                 calls (the memory itself is then only checked for its shape).
+            value_residual: with ``variants.value_residual``, carries the first layer's values:
+                layer 1 stores its new values there, later layers mix them into theirs (before
+                the cache, so cached values are mixed ones). Stacks pass one per forward.
 
         Returns:
             ``(output (b, i, e), weights (b, h, i, j) or None)``.
@@ -365,15 +390,17 @@ class MultiHeadAttention(nn.Module):
             k = k.view(b, j, h_kv, d).transpose(1, 2)  # (b, h_kv, j, d)
             v = v.view(b, j, h_kv, d).transpose(1, 2)  # (b, h_kv, j, d)
         if self.q_norm is not None and self.k_norm is not None:  # qk-norm, before RoPE
-            q = self.q_norm(q)
-            k = None if k is None else self.k_norm(k)
+            q = self._per_map(self.q_norm, q)
+            k = None if k is None else self._per_map(self.k_norm, k)
+        if self.variants.value_residual is not None and self_attention and v is not None:
+            v = self._value_residual(v, value_residual)
 
         offset = 0 if cache is None or memory_cache is not None else cache.length
         if rope is not None:
             # RoFormer (Su et al. 2021): rotate q and k by their absolute positions, so their dot
             # product depends only on the relative offset. New keys sit at the queries' positions.
-            q = rope.rotate(q, offset)
-            k = rope.rotate(k, offset)
+            q = self._per_map(lambda x: rope.rotate(x, offset), q)
+            k = self._per_map(lambda x: rope.rotate(x, offset), k)
         if memory_cache is not None:
             k, v = self._memory_keys(memory_cache, k, v, key)  # (b, h_kv, j, d)
         elif cache is not None:
@@ -389,6 +416,26 @@ class MultiHeadAttention(nn.Module):
             out = self.gate(out, query)  # (b, h, i, d), gated by the layer input
         out = out.transpose(1, 2).reshape(b, i, self.embed_dim)  # (b, i, h * d)
         return self.out_proj(out), weights
+
+    def _per_map(self, fn: Callable[[Tensor], Tensor], x: Tensor | None) -> Tensor | None:
+        """``fn`` on each head of ``x (b, h, n, d)``, or on each half of a differential head."""
+        if x is None or self.differential is None:
+            return None if x is None else fn(x)
+        return self.differential.per_half(fn, x)
+
+    def _value_residual(self, v: Tensor, carrier: ValueResidual | None) -> Tensor:
+        """Layer 1 stores its values ``v (b, h_kv, j, d)`` in the carrier; later layers return
+        ``lambda_1 v + lambda_2 v_1`` (Zhou et al. 2024)."""
+        if self.value_mix is None:
+            if carrier is not None:
+                carrier.first = v
+            return v
+        if carrier is None or carrier.first is None:
+            raise ValueError(
+                f"this attention is layer {self.variants.layer} with value_residual: pass "
+                "value_residual=ValueResidual() that layer 1 has filled with its values"
+            )
+        return self.value_mix(v, carrier.first)
 
     @staticmethod
     def _memory_keys(
@@ -421,21 +468,28 @@ class MultiHeadAttention(nn.Module):
         """Attention over heads: ``q (b, h, i, d)``, ``k, v (b, h_kv, j, d)`` -> ``(b, h, i, d)``.
 
         The one place the math is called; subclasses (relative positions) override it.
+        Differential attention calls it twice (``attnkit.variants.DifferentialAttention``).
         """
-        result = scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            mask,
-            bias=bias,
-            is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            return_weights=need_weights,
-            backend=self.backend,
-            softcap=self.variants.softcap,
-            sinks=self.sinks,
-        )
-        return result if isinstance(result, tuple) else (result, None)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
+            result = scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                mask,
+                bias=bias,
+                is_causal=is_causal,
+                dropout_p=self.dropout if self.training else 0.0,
+                return_weights=need_weights,
+                backend=self.backend,
+                softcap=self.variants.softcap,
+                sinks=self.sinks,
+            )
+            return result if isinstance(result, tuple) else (result, None)
+
+        if self.differential is not None:
+            return self.differential(attend, q, k, v)
+        return attend(q, k, v)
 
     @classmethod
     def from_torch(

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from attnkit.attention import KVCache, MultiHeadAttention, QKTransform
 from attnkit.masks import BiasFn, MaskFn
-from attnkit.variants import AttentionVariants
+from attnkit.variants import AttentionVariants, ValueResidual
 
 __all__ = ["FeedForward", "TransformerBlock"]
 
@@ -159,6 +159,7 @@ class TransformerBlock(nn.Module):
         rope: QKTransform | None = None,
         cache: KVCache | None = None,
         cross_cache: KVCache | None = None,
+        value_residual: ValueResidual | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """``x (b, i, e)`` -> ``(x (b, i, e), self-attention weights (b, h, i, j) or None)``.
 
@@ -166,12 +167,16 @@ class TransformerBlock(nn.Module):
         ``MultiHeadAttention.forward``); ``memory (b, j, e)``, ``memory_mask`` (broadcastable
         to ``(b, h, i, j)``, e.g. the encoder's padding mask) and ``cross_cache`` (the memory's
         projected keys/values, kept between decoding steps) to the cross-attention.
+        ``value_residual`` carries the first layer's values to the self-attention of later
+        layers (``AttentionVariants.value_residual``; the stacks make one per forward).
         """
         if self.cross_attn is None and memory is not None:
             raise ValueError("memory was given but this block has no cross-attention")
         if self.cross_attn is not None and memory is None:
             raise ValueError("this block has cross-attention: pass memory (b, j, embed_dim)")
         kwargs = dict(mask=mask, is_causal=is_causal, need_weights=need_weights, bias=bias)
+        if value_residual is not None:
+            kwargs["value_residual"] = value_residual
         if self.norm_first:
             h, weights = self.attn(self.attn_norm(x), **kwargs, rope=rope, cache=cache)
             x = x + self.dropout(h)

@@ -14,6 +14,7 @@ sinusoidal table; the blocks initialise themselves (``attnkit.blocks``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ from attnkit.positional import (
     SinusoidalPositionalEncoding,
     alibi_fn,
 )
-from attnkit.variants import AttentionVariants
+from attnkit.variants import AttentionVariants, Registers, ValueResidual
 
 __all__ = ["TransformerConfig", "TransformerDecoder", "TransformerEncoder"]
 
@@ -52,7 +53,12 @@ class TransformerConfig:
     activations (training only; ``torch.utils.checkpoint`` with ``use_reentrant=False``).
     ``cross_attention`` gives decoder blocks a cross-attention over an encoder's memory.
     ``variants`` (``attnkit.variants.AttentionVariants``: soft-capping, sinks, qk-norm, output
-    gates) applies to every block's self-attention; not with ``positional="relative"``.
+    gates, differential attention, value residuals) applies to every block's self-attention,
+    with ``layer`` set to the block's depth (1-based); not with ``positional="relative"``. With
+    ``differential`` and ``"rope"`` the rotation has half the head width (each half of a head is
+    rotated on its own, see ``DifferentialAttention``), so the head width must divide by 4.
+    ``registers`` (encoder only) prepends that many learned tokens to the sequence and drops
+    them from the output (Darcet et al. 2023, ``attnkit.variants.Registers``).
     """
 
     embed_dim: int
@@ -72,6 +78,7 @@ class TransformerConfig:
     backend: str = "auto"
     max_distance: int = 16
     variants: AttentionVariants | None = None
+    registers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("embed_dim", "num_heads", "num_layers", "max_len", "max_distance"):
@@ -88,6 +95,19 @@ class TransformerConfig:
             not isinstance(self.vocab_size, int) or self.vocab_size <= 0
         ):
             raise ValueError(f"vocab_size must be a positive int or None, got {self.vocab_size!r}")
+        if not isinstance(self.registers, int) or isinstance(self.registers, bool):
+            raise ValueError(f"registers must be an int >= 0, got {self.registers!r}")
+        if self.registers < 0:
+            raise ValueError(f"registers must be an int >= 0, got {self.registers!r}")
+        head_dim = self.embed_dim // self.num_heads
+        if self.variants is not None and self.variants.differential:
+            # two halves per head, and with RoPE each half is rotated on its own
+            multiple = 4 if self.positional == "rope" else 2
+            if head_dim % multiple:
+                raise ValueError(
+                    f"differential attention with positional={self.positional!r} needs a head "
+                    f"width (embed_dim // num_heads = {head_dim}) that divides by {multiple}"
+                )
         if self.variants is not None and self.positional == "relative":
             raise ValueError(
                 "variants are not available with positional='relative' (its attention computes "
@@ -114,7 +134,9 @@ class _Stack(nn.Module):
         elif c.positional == "learned":
             self.pos = LearnedPositionalEmbedding(c.max_len, c.embed_dim)
         head_dim = c.embed_dim // c.num_heads
-        self.rope = RotaryEmbedding(head_dim) if c.positional == "rope" else None
+        differential = c.variants is not None and c.variants.differential
+        rope_dim = head_dim // 2 if differential else head_dim  # one rotation per half-head
+        self.rope = RotaryEmbedding(rope_dim) if c.positional == "rope" else None
         self.dropout = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(
@@ -128,9 +150,9 @@ class _Stack(nn.Module):
                 cross_attention=c.cross_attention and causal,
                 eps=c.eps,
                 backend=c.backend,
-                variants=c.variants,
+                variants=None if c.variants is None else dataclasses.replace(c.variants, layer=n),
             )
-            for _ in range(c.num_layers)
+            for n in range(1, c.num_layers + 1)
         )
         if c.positional == "relative":
             for block in self.blocks:
@@ -183,6 +205,10 @@ class _Stack(nn.Module):
             # bottom-right: query 0 sits at key position offset (= j - i)
             bias = alibi_fn(c.num_heads, offset)
         weights: list[Tensor] = []
+        # Zhou et al. 2024: layer 1's values reach every later layer of this forward
+        carrier = None
+        if c.variants is not None and c.variants.value_residual is not None:
+            carrier = ValueResidual()
         use_checkpoint = c.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for n, block in enumerate(self.blocks):
             kwargs = dict(
@@ -195,6 +221,7 @@ class _Stack(nn.Module):
                 rope=self.rope,
                 cache=None if caches is None else caches[n],
                 cross_cache=None if cross_caches is None else cross_caches[n],
+                value_residual=carrier,
             )
             if use_checkpoint and caches is None:
                 x, w = checkpoint(block, x, use_reentrant=False, **kwargs)
@@ -214,10 +241,18 @@ class TransformerEncoder(_Stack):
     (or vectors ``(b, i, e)`` when ``vocab_size`` is None) and a bool mask broadcastable to
     ``(b, h, i, i)`` (``attnkit.masks.padding_mask(lengths)``), and returns
     ``(hidden (b, i, e), per-layer weights [(b, h, i, i)] * num_layers or None)``.
+
+    With ``config.registers = r`` the blocks see ``r`` learned tokens before the sequence
+    (``registers``, an ``attnkit.variants.Registers``): the mask is extended to them
+    (``Registers.extend_mask``), ``hidden`` drops them, and the weights keep them, so each map
+    is ``(b, h, r + i, r + i)`` with the registers first. With ``is_causal`` every token sees
+    every register.
     """
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__(config, causal=False)
+        c = config
+        self.registers = Registers(c.registers, c.embed_dim) if c.registers else None
 
     def forward(
         self,
@@ -227,8 +262,14 @@ class TransformerEncoder(_Stack):
         is_causal: bool = False,
         need_weights: bool = False,
     ) -> tuple[Tensor, list[Tensor] | None]:
-        x = self._embed(x, 0)
-        return self._run_blocks(x, mask=mask, is_causal=is_causal, need_weights=need_weights)
+        x = self._embed(x, 0)  # (b, i, e)
+        if self.registers is None:
+            return self._run_blocks(x, mask=mask, is_causal=is_causal, need_weights=need_weights)
+        b, n, _ = x.shape
+        mask = self.registers.extend_mask(mask, n, b, self.config.num_heads, x.device)
+        x = self.registers.prepend(x)  # (b, r + i, e)
+        x, weights = self._run_blocks(x, mask=mask, is_causal=is_causal, need_weights=need_weights)
+        return self.registers.drop(x), weights  # (b, i, e)
 
 
 class TransformerDecoder(_Stack):
@@ -246,6 +287,11 @@ class TransformerDecoder(_Stack):
     def __init__(self, config: TransformerConfig) -> None:
         if config.vocab_size is None:
             raise ValueError("TransformerDecoder needs config.vocab_size (it predicts tokens)")
+        if config.registers:
+            raise ValueError(
+                f"registers are for encoders; a TransformerDecoder was given registers="
+                f"{config.registers} (set it to 0)"
+            )
         super().__init__(config, causal=True)
 
     def new_caches(self, max_len: int | None = None) -> list[KVCache]:
