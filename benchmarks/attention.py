@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"wrote {write_section('attention', md)}", file=sys.stderr)
         for name, methods in CHART_METHODS.items():
-            print(f"wrote {chart(rows, name, methods)}", file=sys.stderr)
+            print(f"wrote {chart(rows, name, methods, dtype=args.dtype)}", file=sys.stderr)
     return 0
 
 
@@ -374,7 +374,9 @@ CHART_METHODS = {
 }
 
 
-def chart(rows: list[dict], name: str, methods: list[str] | None = None, out_dir=None):
+def chart(
+    rows: list[dict], name: str, methods: list[str] | None = None, out_dir=None, dtype="float32"
+):
     """Draw chart ``name`` from the rows ``main`` measured: forward+backward time and peak extra
     memory of one sequence (the call's figures divided by b) against n, one line per method."""
     from _report import CHARTS as folder
@@ -400,7 +402,7 @@ def chart(rows: list[dict], name: str, methods: list[str] | None = None, out_dir
             ("fwdbwd_s", "time, forward + backward", "ms per sequence"),
             ("fwdbwd_mb", "peak extra memory, forward + backward", "MB per sequence"),
         ],
-        title=f"Attention on CPU, h = {HEADS}, d = {DIM}, float32, b = "
+        title=f"Attention on CPU, h = {HEADS}, d = {DIM}, {dtype}, b = "
         f"{', '.join(map(str, batches))} (figures per sequence); dashed: torch",
         baselines=[r["method"] for r in kept if r["method"].startswith("torch")],
         group=_pair,
