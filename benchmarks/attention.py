@@ -518,7 +518,7 @@ def render(rows, args, matmul: float, targets, command: str, elapsed: float) -> 
         "## Efficient attention on CPU (`benchmarks/attention.py`)",
         "",
         f"Command: `{command}` ({elapsed / 60:.1f} min). {environment()}; "
-        f"h={HEADS}, d={DIM}, float32; b as listed (4 up to n=1024, "
+        f"h={HEADS}, d={DIM}, {getattr(args, 'dtype', 'float32')}; b as listed (4 up to n=1024, "
         "then fewer, 1 from n=4096, to keep runtime and memory sane). Times are medians of "
         f"{args.repeats} interleaved rounds; GFLOP/s counts forward 4bhn²d (half causal, "
         "4bhnwd for the window), forward+backward 3.5x that. Peak extra memory: VmHWM minus "
