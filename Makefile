@@ -36,10 +36,10 @@ system-deps:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
 	fi
 
+# The tour: worked example, two routes to one attention, KV cache, pictures in ./attnkit-demo/,
+# and the small chat model (SmolLM2-135M-Instruct, built from attnkit's blocks) answering.
 demo: $(STAMP)
 	$(VENV)/bin/attnkit demo
-	# A small real chat model (SmolLM2-135M-Instruct, built from attnkit's blocks) answers.
-	$(VENV)/bin/attnkit generate --chat "What is the capital of France?" --max-new-tokens 32
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -31,9 +31,10 @@ def test_user_errors_become_one_line_and_exit_2(capsys, monkeypatch) -> None:
     assert err.strip() == "attnkit demo: error: query of shape (2, 3) is not what was expected"
 
 
-def test_console_entry_point_runs_in_a_fresh_process() -> None:
+def test_console_entry_point_runs_in_a_fresh_process(tmp_path: Path) -> None:
+    argv = ["demo", "--quick", "--n", "64", "--out-dir", str(tmp_path)]
     proc = subprocess.run(
-        [sys.executable, "-m", "attnkit.cli", "demo"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "attnkit.cli", *argv], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
     assert "worked example" in proc.stdout

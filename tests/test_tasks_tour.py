@@ -1,0 +1,45 @@
+"""The measured steps of `attnkit demo` (tasks/tour.py): both routes compute the same layer, cached
+decoding equals the full pass, and the peak-memory reading sees an allocation it is shown."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from attnkit.tasks import tour
+
+
+def test_both_routes_give_the_same_output_and_report_themselves() -> None:
+    state = torch.random.get_rng_state()
+    r = tour.compare_routes(96, rounds=1)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is kept
+    assert r.n == 96 and r.dense.name == "dense" and r.tiled.name == "tiled"
+    assert 0 <= r.max_difference < 1e-5
+    assert r.bias_mb == pytest.approx(8 * 96 * 96 * 4 / 2**20)  # (1, h, n, n) float32
+    assert r.dense.seconds > 0 and r.tiled.seconds > 0
+
+
+def test_cached_decoding_equals_the_full_pass() -> None:
+    gap = tour.kv_cache_gap(33)
+    assert 0 <= gap < 1e-5
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
+def test_peak_memory_sees_an_allocation_even_after_it_is_freed() -> None:
+    def allocate() -> torch.Tensor:
+        big = torch.ones(64 * 2**20 // 4)  # 64 MB, touched, then freed
+        return big[:1].clone()
+
+    out, mb = tour.peak_extra_mb(allocate)
+    assert out.item() == 1.0
+    assert mb is not None and 60 <= mb < 200
+
+
+@pytest.mark.parametrize(("fn", "kwargs"), [(tour.compare_routes, {"n": 8}),
+                                             (tour.compare_routes, {"n": 64, "rounds": 0}),
+                                             (tour.kv_cache_gap, {"n": 1})])  # fmt: skip
+def test_bad_sizes_are_refused(fn, kwargs) -> None:
+    with pytest.raises(ValueError, match="must be an int"):
+        fn(**kwargs)
