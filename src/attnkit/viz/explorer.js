@@ -334,13 +334,16 @@
     function renderLines() {
       var ctx = linesCanvas.getContext("2d"), hq = height / I, hk = height / J;
       ctx.clearRect(0, 0, LINE_W, height);
-      ctx.lineWidth = Math.max(I, J) > 60 ? 1 : 2;
       var heads = [];
       if (overlaid()) { for (var h = 0; h < H; h++) if (shown[h]) heads.push(h); }
       else heads.push(null);
+      ctx.lineWidth = Math.max(I, J) > 60 ? 1 : 2;
       heads.forEach(function (h) {
         var m = h === null ? state.cur : mapOf("heads", state.layer, h);
         var mx = h === null ? state.max : scaleMax(m), colour = h === null ? ONE_HEAD : headRgb(h);
+        // each head's lines end at its own height within a token's row, so they lie side by side
+        var dq = h === null ? 0 : ((h + 0.5) / H - 0.5) * 0.8 * hq;
+        var dk = h === null ? 0 : ((h + 0.5) / H - 0.5) * 0.8 * hk;
         var buckets = [], b, q, k, a;
         for (b = 0; b < BUCKETS; b++) buckets.push([]);
         for (q = 0; q < I; q++) {
@@ -358,8 +361,8 @@
           ctx.strokeStyle = "rgba(" + colour.join(",") + "," + ((b + 1) / BUCKETS) + ")";
           ctx.beginPath();
           for (var n = 0; n < list.length; n += 2) {
-            ctx.moveTo(0, (list[n] + 0.5) * hq);
-            ctx.lineTo(LINE_W, (list[n + 1] + 0.5) * hk);
+            ctx.moveTo(0, (list[n] + 0.5) * hq + dq);
+            ctx.lineTo(LINE_W, (list[n + 1] + 0.5) * hk + dk);
           }
           ctx.stroke();
         }
