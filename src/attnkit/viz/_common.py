@@ -122,7 +122,7 @@ def json_for_script(obj: Any) -> str:
 
 
 def format_weight(w: float) -> str:
-    """Seven significant digits: a float32 weight, as the explorer shows it."""
+    """Seven significant digits: a float32 weight in full (the explorer shows three decimals)."""
     if w == 0 or not math.isfinite(w):
         return str(w)
     return f"{w:.7g}"
