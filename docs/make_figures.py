@@ -253,6 +253,121 @@ def page_minilm_explorer() -> str:
     ).to_html()
 
 
+def _draw_map(ax: Any, weights: torch.Tensor, title: str, labels: list[str]) -> Any:
+    """One attention map ``(i, j)``; a diverging palette centred on 0 when it has negatives."""
+    w = weights.detach().double()
+    signed = bool((w < -1e-9).any())
+    top = float(w.abs().max())
+    image = ax.imshow(
+        w.numpy(),
+        cmap="RdBu_r" if signed else "viridis",
+        vmin=-top if signed else 0.0,
+        vmax=top if signed else 1.0,  # weights on one scale, so flatter maps look flatter
+        interpolation="nearest",
+    )
+    ax.set_xticks(range(len(labels)), labels, fontsize=6, rotation=90)
+    ax.set_yticks(range(w.shape[0]), labels[-w.shape[0] :], fontsize=6)
+    ax.tick_params(length=0)
+    ax.set_title(title, fontsize=8)
+    return image
+
+
+def fig_variants() -> Any:
+    """What soft-capping, a sink and differential attention do to one map (8 tokens, one head).
+
+    Queries and keys are built so that the map has a signal (each token attends to itself) and
+    common-mode noise (every token also attends to token 0), the situation Ye et al. describe.
+    """
+    from attnkit.variants import DifferentialAttention
+
+    n, width = 8, 8
+    eye = torch.eye(n, width) * 3.5  # signal: token i matches key i
+    common = torch.zeros(n, width)
+    common[:, 0] = 3.5  # every query looks for what key 0 has
+    keys_common = torch.randn(n, width, generator=torch.Generator().manual_seed(0)) * 0.3
+    keys_common[0, 0] = 3.5
+    q1 = torch.cat([eye, common], dim=-1)[None, None]  # (1, 1, n, 16): signal + noise
+    k1 = torch.cat([eye, keys_common], dim=-1)[None, None]
+    q2 = torch.cat([torch.zeros(n, width), common], dim=-1)[None, None]  # noise only
+    k2 = torch.cat([torch.zeros(n, width), keys_common], dim=-1)[None, None]
+    v = torch.zeros(1, 1, n, 32)  # values do not change the maps
+
+    def weights(q: torch.Tensor, k: torch.Tensor, **options: Any) -> torch.Tensor:
+        _, w = scaled_dot_product_attention(q, k, v, return_weights=True, **options)
+        return w[0, 0]
+
+    plain = weights(q1, k1)
+    capped = weights(q1, k1, softcap=1.0)
+    sink = weights(q1, k1, sinks=torch.tensor([2.5]))
+    differential = DifferentialAttention(2 * 16, layer=8)  # halves of width 16, as q1 and q2
+    for p in (differential.lambda_q1, differential.lambda_k1):
+        torch.nn.init.zeros_(p)
+    for p in (differential.lambda_q2, differential.lambda_k2):
+        torch.nn.init.zeros_(p)  # lambda = exp(0) - exp(0) + lambda_init(8) = 0.73
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        return scaled_dot_product_attention(q, k, v, return_weights=True)
+
+    with torch.no_grad():
+        _, diff = differential(attend, torch.cat([q1, q2], -1), torch.cat([k1, k2], -1), v)
+        lam = float(differential.lam())
+    noise = weights(q2, k2)
+    tokens = [str(t) for t in range(n)]
+    fig = _figure(12.5, 2.9)
+    axes = fig.subplots(1, 5)
+    panels = [
+        (plain, "softmax: signal (diagonal)\n+ common noise (column 0)"),
+        (capped, "softcap=1: logits capped,\npeaks flattened"),
+        (sink, f"sink logit 2.5: rows sum\nto {float(sink.sum(-1).mean()):.2f} on average"),
+        (noise, "differential, second map:\nthe noise alone"),
+        (diff[0, 0], f"map 1 - {lam:.2f} map 2:\nthe noise cancels"),
+    ]
+    for ax, (w, title) in zip(axes, panels, strict=True):
+        image = _draw_map(ax, w, title, tokens)
+        ax.set_xlabel("key j", fontsize=7)
+    axes[0].set_ylabel("query i", fontsize=7)
+    fig.colorbar(image, ax=axes[-1], shrink=0.8)
+    return fig
+
+
+VARIANTS_TRAINING = (
+    Path(__file__).resolve().parents[1] / "benchmarks/results/variants_training.json"
+)
+
+
+def fig_variants_training() -> Any:
+    """Loss curves of every variant on the copy task, and trained encoder maps without and with
+    registers (from ``benchmarks/variants_training.py``'s results)."""
+    import json
+
+    if not VARIANTS_TRAINING.exists():
+        raise FileNotFoundError(
+            f"{VARIANTS_TRAINING} is missing: run python benchmarks/variants_training.py"
+        )
+    results = json.loads(VARIANTS_TRAINING.read_text(encoding="utf-8"))
+    runs = {r["name"]: r for r in results["runs"]}
+    fig = _figure(12.5, 3.6)
+    axes = fig.subplots(1, 3, width_ratios=[2.2, 1, 1])
+    window = 20
+    for name, run in runs.items():
+        losses = torch.tensor(run["losses"])
+        smooth = losses.unfold(0, window, 1).mean(-1)  # moving mean over 20 steps
+        axes[0].plot(range(window, len(losses) + 1), smooth.numpy(), label=name, linewidth=1)
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("step", fontsize=8)
+    axes[0].set_ylabel("training loss (nats, mean of 20 steps)", fontsize=8)
+    axes[0].set_title("Copy task: every variant trains", fontsize=9)
+    axes[0].legend(fontsize=6, ncols=2)
+    axes[0].tick_params(labelsize=7)
+    for ax, name in zip(axes[1:], ("baseline", "registers=4"), strict=True):
+        run = runs[name]
+        r = run["registers"]
+        w = torch.tensor(run["map"])
+        labels = [f"r{t}" for t in range(r)] + [str(t) for t in range(w.shape[0] - r)]
+        _draw_map(ax, w, f"{name}: trained encoder,\nlast layer, mean of heads", labels)
+    return fig
+
+
 FIGURES: dict[str, Callable[[], Any]] = {
     name.removeprefix("fig_"): fn
     for name, fn in sorted(globals().items())
