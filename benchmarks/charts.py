@@ -138,6 +138,9 @@ def hf_rows(table: Table) -> list[dict]:
                 "cpu_seconds": float(cpu.group(1)) if cpu else None,
                 "peak_mib": number(cell[f"{impl} peak (MiB)"]),
             }
+        floor = number(cell.get("floor (MiB)", "not run"))
+        if floor is not None:
+            row[hf_bench.FLOOR] = {"seconds": None, "cpu_seconds": None, "peak_mib": floor}
         rows.append(row)
     return rows
 
