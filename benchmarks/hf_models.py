@@ -9,10 +9,12 @@ Workloads (random weights, float32, inference, one sequence of ``n`` tokens, no 
 
 for ``n`` = 2,048 .. 16,384, and a floor: the same model with an attention that returns zeros
 (and attnkit's mask, so no ``n x n`` tensor), which is the memory every implementation pays for
-the rest of the model (embeddings, norms, the MLP's ``n x 1408`` activations). attnkit serves the causal model through torch's fused kernel
-(``is_causal``) and the windowed one through the tiled backend with the window declared as
-structure, so key tiles outside the window are skipped; transformers' sdpa gets its dense
-``(1, 1, n, n)`` window mask, eager its float mask and the full score matrix.
+the rest of the model (embeddings, norms, the MLP's ``n x 1408`` activations).
+
+attnkit serves the causal model through torch's fused kernel (``is_causal``) and the windowed
+one through the backend auto picks for a window declared as structure (tiled or sparse), so
+key tiles outside the window are skipped; transformers' sdpa gets its dense ``(1, 1, n, n)``
+window mask, eager its float mask and the full score matrix.
 
 Method: each (model, n, implementation) runs in a fresh subprocess that builds the model, warms
 it up on 128 tokens, resets the peak resident set (``echo 5 > /proc/self/clear_refs``), runs one
