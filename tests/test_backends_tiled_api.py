@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attnkit import masks, scaled_dot_product_attention
-from attnkit.backends import BackendUnavailable, select_backend
+from attnkit.backends import BackendUnavailable, memory_budget, select_backend
 from attnkit.backends.tiled import backward_blocks, forward_blocks, merge, tiled_attention, why_not
 from attnkit.functional import make_call
 from attnkit.masks import relative
@@ -172,7 +172,7 @@ def test_block_step_over_key_shards_equals_whole_attention(n_shards: int, bias_f
         torch.testing.assert_close(mine, theirs, atol=1e-12, rtol=1e-10)
 
 
-def test_auto_routes_functions_to_tiled_and_plain_calls_to_torch() -> None:
+def test_auto_routes_functions_to_tiled_within_the_budget_and_plain_calls_to_torch() -> None:
     q, k, v = (t.float() for t in _qkv(600, 600, b=1))
     assert select_backend("auto", make_call(q, k, v)).name == "torch"
     assert select_backend("auto", make_call(q, k, v, is_causal=True)).name == "torch"
@@ -183,8 +183,9 @@ def test_auto_routes_functions_to_tiled_and_plain_calls_to_torch() -> None:
         return (i - j).abs() < 300
 
     call = make_call(q, k, v, recording)
-    assert select_backend("auto", call).name == "tiled-functions"
-    out = scaled_dot_product_attention(q, k, v, recording)
+    with memory_budget(600 * 600 - 1):  # too small for the mask as a tensor
+        assert select_backend("auto", call).name == "tiled"
+        out = scaled_dot_product_attention(q, k, v, recording)
     assert max(seen) < 600 * 600  # evaluated per tile: no n x n tensor was built
     ref = scaled_dot_product_attention(q, k, v, masks.materialize(recording, (1, 1, 600, 600)))
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)

@@ -1,5 +1,6 @@
-"""The registry: registering and looking up backends, ``auto`` routing, refusals that say why,
-``use(name)`` overriding what a call or module names, and the ``AttentionCall`` it routes."""
+"""The registry: registering and looking up backends, ``auto`` weighing their costs within the
+memory budget, refusals that say why, ``use(name)`` overriding what a call or module names, and
+the ``AttentionCall`` it routes."""
 
 from __future__ import annotations
 
@@ -11,14 +12,20 @@ import torch
 from attnkit import MultiHeadAttention, masks, registry, scaled_dot_product_attention
 from attnkit.functional import attention_math, make_call
 from attnkit.registry import (
-    AUTO_ORDER,
+    DEFAULT_MEMORY_BUDGET,
     Backend,
     BackendUnavailable,
+    Estimate,
     available_backends,
     get_backend,
+    get_memory_budget,
+    memory_budget,
     register_backend,
+    register_cost,
     select_backend,
+    set_memory_budget,
     use,
+    weigh,
 )
 
 F64 = torch.float64
@@ -26,11 +33,22 @@ F64 = torch.float64
 
 @pytest.fixture
 def fresh_registry():
-    """The registry as it was before the test, whatever the test registers or replaces."""
-    saved = dict(registry._REGISTRY)
+    """The registry and its costs as they were before the test, whatever the test registers."""
+    saved, costs = dict(registry._REGISTRY), dict(registry._COSTS)
     yield registry._REGISTRY
     registry._REGISTRY.clear()
     registry._REGISTRY.update(saved)
+    registry._COSTS.clear()
+    registry._COSTS.update(costs)
+    registry._RANKED.clear()
+
+
+@pytest.fixture
+def only_test_costs(fresh_registry, monkeypatch):
+    """Auto weighs only the backends a test gives a cost (the real ones keep theirs after)."""
+    monkeypatch.setattr(registry, "_COSTS", {})
+    registry._RANKED.clear()
+    return registry._COSTS
 
 
 def _qkv(i: int = 5, j: int = 7, h: int = 4, h_kv: int = 2, b: int = 2):
@@ -42,14 +60,25 @@ def _qkv(i: int = 5, j: int = 7, h: int = 4, h_kv: int = 2, b: int = 2):
     )
 
 
-def _recording(name: str, log: list[str], reason: str | None = None) -> Backend:
-    """A backend that serves calls with the reference math and notes its name in ``log``."""
+def _recording(
+    name: str,
+    log: list[str],
+    reason: str | None = None,
+    seconds: float | None = None,
+    materialised: int = 0,
+) -> Backend:
+    """A backend that serves calls with the reference math and notes its name in ``log``;
+    with ``seconds`` it has a cost (and auto weighs it)."""
 
     def run(call):
         log.append(name)
         return attention_math(call)
 
-    return register_backend(name, run, lambda call: reason)
+    def cost(call):
+        log.append(f"cost {name}")
+        return Estimate(seconds, materialised, f"{name} costs {seconds}")
+
+    return register_backend(name, run, lambda call: reason, cost=None if seconds is None else cost)
 
 
 def test_register_get_replace_and_list(fresh_registry) -> None:
@@ -88,53 +117,178 @@ def test_unknown_names_are_named_in_the_error() -> None:
         select_backend("no-such-backend", make_call(q, k, v))
 
 
-def test_auto_takes_the_first_backend_in_order_that_can_serve(fresh_registry, monkeypatch) -> None:
+def test_auto_takes_the_cheapest_backend_that_can_serve(only_test_costs) -> None:
     log: list[str] = []
-    _recording("test.refuses", log, "it refuses")
-    _recording("test.serves", log)
-    _recording("test.also-serves", log)
-    order = ["test.refuses", "test.not-registered", "test.serves", "test.also-serves"]
-    monkeypatch.setattr(registry, "AUTO_ORDER", order)
+    _recording("test.refuses", log, "it refuses", seconds=0.001)
+    _recording("test.slow", log, seconds=0.5)
+    _recording("test.fast", log, seconds=0.1)
+    _recording("test.no-cost", log)  # serves everything, but has no cost: auto never takes it
     q, k, v = _qkv()
-    assert select_backend("auto", make_call(q, k, v)).name == "test.serves"
+    call = make_call(q, k, v)
+    assert select_backend("auto", call).name == "test.fast"
+    assert "cost test.refuses" not in log  # a backend is costed only for calls it can serve
+    log.clear()
     out = scaled_dot_product_attention(q, k, v)
-    assert log == ["test.serves"]
+    assert log[-1] == "test.fast" and "test.no-cost" not in log
     ref = scaled_dot_product_attention(q, k, v, backend="math")
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    verdicts = weigh(call)
+    assert [v.backend for v in verdicts] == ["test.fast", "test.slow", "test.refuses"]
+    assert [v.chosen for v in verdicts] == [True, False, False]
+    assert verdicts[2].why_not == "it refuses" and verdicts[2].estimate is None
+    assert verdicts[1].estimate == Estimate(0.5, 0, "test.slow costs 0.5")
 
 
-def test_auto_routes_with_the_real_order() -> None:
-    assert AUTO_ORDER[-1] == "math"  # the math backend serves every call, so it comes last
+def test_auto_leaves_out_routes_over_the_memory_budget(only_test_costs) -> None:
+    log: list[str] = []
+    _recording("test.builds", log, seconds=0.1, materialised=1000)
+    _recording("test.tiles", log, seconds=0.3, materialised=0)
+    q, k, v = _qkv()
+    call = make_call(q, k, v)
+    assert select_backend("auto", call).name == "test.builds"
+    with memory_budget(1000):  # at the budget is within it
+        assert select_backend("auto", call).name == "test.builds"
+    with memory_budget(999):
+        assert select_backend("auto", call).name == "test.tiles"
+        verdict = weigh(call)[1]
+        assert verdict.backend == "test.builds" and not verdict.chosen
+        assert verdict.why_not == (
+            "it would build 1000 bytes of masks and biases, over the memory budget of 999 bytes"
+        )
+        log.clear()
+        scaled_dot_product_attention(q, k, v)
+        assert log[-1] == "test.tiles"
+    register_cost("test.tiles", None)  # without a cost auto cannot take it: nothing fits
+    with memory_budget(999), pytest.raises(BackendUnavailable) as info:
+        scaled_dot_product_attention(q, k, v)
+    message = str(info.value)
+    assert "test.builds: it would build 1000 bytes" in message
+    assert "attnkit.backends.memory_budget(bytes)" in message
+
+
+def test_auto_remembers_rankings_of_tensor_calls(only_test_costs) -> None:
+    """A decoding step repeats the same call: its ranking is weighed once per signature."""
+    log: list[str] = []
+    _recording("test.a", log, seconds=0.2)
+    _recording("test.b", log, seconds=0.1, materialised=10)
+    q, k, v = _qkv()
+    for _ in range(3):
+        assert select_backend("auto", make_call(q, k, v)).name == "test.b"
+    assert log.count("cost test.a") == log.count("cost test.b") == 1
+    with memory_budget(5):  # the budget is part of the signature
+        assert select_backend("auto", make_call(q, k, v)).name == "test.a"
+    assert select_backend("auto", make_call(q, k, v, is_causal=True)).name == "test.b"
+    assert log.count("cost test.b") == 3  # each new signature is weighed afresh
+    _recording("test.c", log, seconds=0.01)  # registering forgets every ranking
+    assert select_backend("auto", make_call(q, k, v)).name == "test.c"
+    for _ in range(2):
+        select_backend("auto", make_call(q, k, v, _every))
+    assert log.count("cost test.c") == 3  # calls with mask or bias functions: weighed each time
+
+
+def _every(b, h, i, j):
+    return (i >= 0) & (j >= 0)
+
+
+def test_auto_without_a_cost_model_takes_the_reference(fresh_registry, monkeypatch) -> None:
+    monkeypatch.setattr(registry, "_COSTS", {})
+    registry._RANKED.clear()
+    assert select_backend("auto", make_call(*_qkv())).name == "math"
+
+
+def test_auto_routes_with_the_real_cost_model() -> None:
     q, k, v = _qkv()
 
     def route(*args, **kw):
         return select_backend("auto", make_call(*args, **kw)).name
 
-    assert route(q, k, v) == "torch"
+    assert route(q, k, v) == "torch"  # a few positions: torch's kernel costs least to call
     assert route(q, k, v, is_causal=True) == "torch"
-    assert route(q, k, v, masks.causal_fn(2)) == "tiled-functions"
     assert route(q, k, v, return_weights=True) == "math"
     assert route(q, k, v, masks.causal_fn(2), return_weights=True) == "math"
     gen = torch.Generator().manual_seed(0)
     assert route(q, k, v, dropout_p=0.1, generator=gen) == "math"
-    assert route(q[0, 0], k[0, 0], v[0, 0]) == "tiled"  # torch's kernel refuses (i, d) inputs
+    assert route(q[0, 0], k[0, 0], v[0, 0]) != "torch"  # torch's kernel refuses (i, d) inputs
     _, weights = scaled_dot_product_attention(q, k, v, return_weights=True)
     torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 5, dtype=F64))
 
 
-def test_no_backend_lists_every_candidates_reason(fresh_registry, monkeypatch) -> None:
+def test_no_backend_lists_every_candidates_reason(only_test_costs) -> None:
     log: list[str] = []
-    _recording("test.a", log, "a is asleep")
-    _recording("test.b", log, "b is busy")
-    monkeypatch.setattr(registry, "AUTO_ORDER", ["test.a", "test.missing", "test.b"])
+    _recording("test.a", log, "a is asleep", seconds=1.0)
+    _recording("test.b", log, "b is busy", seconds=1.0)
     q, k, v = _qkv()
     with pytest.raises(BackendUnavailable) as info:
         scaled_dot_product_attention(q, k, v)
     message = str(info.value)
     assert "test.a: a is asleep" in message and "test.b: b is busy" in message
-    assert "test.missing" not in message  # unregistered names are skipped, not reasons
+    assert "memory_budget" not in message  # no backend was over the budget
     assert isinstance(info.value, ValueError)
-    assert log == []  # run is never called for a refused call
+    assert log == []  # run (and cost) are never called for a refused call
+
+
+def test_memory_budget_default_setting_and_blocks() -> None:
+    assert get_memory_budget() == DEFAULT_MEMORY_BUDGET == 1 << 30
+    previous = set_memory_budget(123)
+    try:
+        assert previous == DEFAULT_MEMORY_BUDGET and get_memory_budget() == 123
+        with memory_budget(7):
+            assert get_memory_budget() == 7
+            with memory_budget(0):
+                assert get_memory_budget() == 0
+            assert get_memory_budget() == 7
+            with pytest.raises(RuntimeError, match="boom"), memory_budget(9):
+                raise RuntimeError("boom")
+            assert get_memory_budget() == 7
+        assert get_memory_budget() == 123
+    finally:
+        set_memory_budget(previous)
+    assert get_memory_budget() == DEFAULT_MEMORY_BUDGET
+
+
+def test_memory_budget_block_is_local_to_its_thread() -> None:
+    seen: dict[str, int] = {}
+    inside, release = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        inside.wait(5)
+        seen["other"] = get_memory_budget()
+        release.set()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    with memory_budget(5):
+        inside.set()
+        assert release.wait(5)
+        seen["here"] = get_memory_budget()
+    worker.join(5)
+    assert seen == {"here": 5, "other": DEFAULT_MEMORY_BUDGET}
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (-1, ValueError, "must be >= 0 bytes, got -1"),
+        (1.5, TypeError, "whole number of bytes \\(int\\), got float 1.5"),
+        ("1GB", TypeError, "got str '1GB'"),
+        (True, TypeError, "got bool True"),
+        (None, TypeError, "got NoneType None"),
+    ],
+)
+def test_memory_budget_rejects_bad_values_by_name(value, error, match) -> None:
+    ran = []
+    with pytest.raises(error, match=match), memory_budget(value):
+        ran.append(True)
+    with pytest.raises(error, match=match):
+        set_memory_budget(value)
+    assert ran == [] and get_memory_budget() == DEFAULT_MEMORY_BUDGET
+
+
+def test_register_cost_checks_its_arguments(fresh_registry) -> None:
+    with pytest.raises(TypeError, match="cost must be a function of an AttentionCall, got int"):
+        register_cost("math", 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="other than 'auto'"):
+        register_cost("auto", lambda call: Estimate(0.0))
 
 
 def test_a_named_backend_that_refuses_says_why(fresh_registry) -> None:
@@ -183,7 +337,7 @@ def test_use_nests_and_restores_on_exit_and_on_exception(fresh_registry) -> None
         with use("test.inner"):
             assert chosen() == "test.inner"
             with use("auto"):  # auto inside: routing as usual, whatever the call names
-                assert chosen() == "torch"
+                assert chosen() == "torch"  # a few positions: torch's kernel costs least
         assert chosen() == "test.outer"
         with pytest.raises(RuntimeError, match="boom"), use("test.inner"):
             assert chosen() == "test.inner"

@@ -1,17 +1,20 @@
 """The backend registry: every attention algorithm is one function with one signature.
 
-A backend is registered under a name with two functions:
+A backend is registered under a name with up to three functions:
 
 * ``run(call) -> (output, weights | None)`` computes attention for a validated ``AttentionCall``;
 * ``why_not(call) -> str | None`` says, in a sentence, why the backend cannot serve that call
-  (``None`` when it can).
+  (``None`` when it can);
+* ``cost(call) -> Estimate`` (optional) says what serving the call would cost: seconds on this
+  machine and the bytes of the ``(b, h, i, j)``-sized masks and biases it would build. A backend
+  with a cost takes part in ``auto``; ``register_cost`` adds or replaces one later.
 
 ``scaled_dot_product_attention(..., backend="name")`` looks the name up here; ``backend="auto"``
-walks ``AUTO_ORDER`` and takes the first backend whose ``why_not`` is ``None``. The registry
-alone decides routing, for example that a call asking for the attention weights goes to the
-reference math (the fast backends say why they cannot return them); modules only pass names.
-The registry checks ``why_not`` once, before ``run``: a backend's ``run`` may assume it can
-serve the call.
+weighs every backend that has a cost and can serve the call, leaves out those whose built
+masks and biases would exceed the memory budget (``memory_budget``), and takes the cheapest
+(``weigh`` gives every candidate's verdict; ``attnkit.backends.explain`` prints them). The
+registry alone decides routing; modules only pass names. It checks ``why_not`` before ``run``
+and before ``cost``: both may assume the backend can serve the call.
 
 ``use(name)`` runs every attention call inside a ``with`` block on one backend, whatever the
 call or the module names (``with use("math"): model(x)`` to read weights off any model).
@@ -30,15 +33,23 @@ from torch import Tensor
 from attnkit.masks import BiasFn, MaskFn, causal_mask, checked_bias, checked_mask, materialize
 
 __all__ = [
-    "AUTO_ORDER",
+    "DEFAULT_MEMORY_BUDGET",
     "AttentionCall",
     "Backend",
     "BackendUnavailable",
+    "Estimate",
+    "Verdict",
     "available_backends",
+    "forced_backend",
     "get_backend",
+    "get_memory_budget",
+    "memory_budget",
     "register_backend",
+    "register_cost",
     "select_backend",
+    "set_memory_budget",
     "use",
+    "weigh",
 ]
 
 
@@ -92,6 +103,16 @@ class AttentionCall:
         """Shape of the full score tensor ``(..., h, i, j)``."""
         return (*self.query.shape[:-1], self.n_keys)
 
+    @property
+    def needs_grad(self) -> bool:
+        """Whether autograd will ask for gradients: grad mode is on and a tensor needs them."""
+        if not torch.is_grad_enabled():
+            return False
+        return any(
+            isinstance(t, Tensor) and t.requires_grad
+            for t in (self.query, self.key, self.value, self.bias, self.sinks)
+        )
+
     def dense_mask(self) -> Tensor | None:
         """The mask as one bool tensor: the given mask (evaluated if a function) and causality."""
         mask = self.mask
@@ -113,6 +134,26 @@ class AttentionCall:
 
 
 @dataclass(frozen=True)
+class Estimate:
+    """What serving one call would cost a backend, by its cost model.
+
+    ``seconds``: the expected wall time on this machine (forward, or forward and backward when
+    the call needs gradients). ``materialised``: bytes of the ``(b, h, i, j)``-sized masks and
+    biases the backend would build to serve the call (a function evaluated on the full grid,
+    a causal band written out, a mask and a bias combined); what ``memory_budget`` limits.
+    ``how``: a short phrase for ``explain``, such as "materialises the bias function as a
+    (1, 8, 4096, 4096) float32 tensor".
+    """
+
+    seconds: float
+    materialised: int = 0
+    how: str = ""
+
+
+CostFn = Callable[[AttentionCall], Estimate]
+
+
+@dataclass(frozen=True)
 class Backend:
     name: str
     run: Callable[[AttentionCall], tuple[Tensor, Tensor | None]]
@@ -121,14 +162,7 @@ class Backend:
 
 
 _REGISTRY: dict[str, Backend] = {}
-
-# Why this order: a call with a mask or bias *function* goes to the tiled backend first
-# ("tiled-functions" is the tiled backend restricted to such calls), so auto never builds an
-# n x n tensor from a function; plain, causal and dense-mask calls go to torch's fused kernel,
-# the fastest on them; "tiled" then serves what torch refuses but it can (inputs without a head
-# axis); the math backend serves every call (dropout with a generator, return_weights).
-AUTO_ORDER: list[str] = ["tiled-functions", "torch", "tiled", "math"]
-"""Backends ``backend="auto"`` tries, in order. The math backend serves every call."""
+_COSTS: dict[str, CostFn] = {}  # the backends auto weighs, in registration order
 
 
 def _always(call: AttentionCall) -> str | None:
@@ -141,13 +175,38 @@ def register_backend(
     why_not: Callable[[AttentionCall], str | None] | None = None,
     *,
     description: str = "",
+    cost: CostFn | None = None,
 ) -> Backend:
-    """Register (or replace) a backend under ``name``."""
-    if not name or name == "auto":
+    """Register (or replace) a backend under ``name``; with a ``cost`` it takes part in auto.
+
+    Replacing a backend without a ``cost`` keeps the cost it had (see ``register_cost``).
+    """
+    if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
     backend = Backend(name, run, why_not or _always, description)
     _REGISTRY[name] = backend
+    if cost is not None:
+        register_cost(name, cost)
+    _RANKED.clear()
     return backend
+
+
+def register_cost(name: str, cost: CostFn | None) -> None:
+    """Give backend ``name`` a cost model, so auto weighs it (``None``: auto leaves it out).
+
+    ``cost(call)`` is called only for calls the backend can serve (its ``why_not`` is None).
+    For calls without mask or bias functions auto remembers its ranking per call signature
+    (dtypes, shapes, flags, the budget), so a cost must depend on nothing else.
+    """
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
+    if cost is None:
+        _COSTS.pop(name, None)
+    elif not callable(cost):
+        raise TypeError(f"cost must be a function of an AttentionCall, got {type(cost).__name__}")
+    else:
+        _COSTS[name] = cost
+    _RANKED.clear()
 
 
 def available_backends() -> list[str]:
@@ -184,24 +243,205 @@ def use(name: str) -> Iterator[None]:
         _FORCED.reset(token)
 
 
+def forced_backend() -> str | None:
+    """The backend an enclosing ``use(name)`` block forces, or ``None``."""
+    return _FORCED.get()
+
+
+# The memory budget: how many bytes of (b, h, i, j)-sized masks and biases auto may build.
+
+DEFAULT_MEMORY_BUDGET = 1 << 30
+"""1 GiB: auto's budget for building masks and biases unless ``set_memory_budget`` changes it."""
+
+_DEFAULT_BUDGET = [DEFAULT_MEMORY_BUDGET]  # the process-wide default, set_memory_budget's
+_BUDGET: ContextVar[int | None] = ContextVar("attnkit_memory_budget", default=None)
+
+
+def _checked_budget(nbytes: object) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise TypeError(
+            f"memory budget must be a whole number of bytes (int), got {type(nbytes).__name__} "
+            f"{nbytes!r}"
+        )
+    if nbytes < 0:
+        raise ValueError(f"memory budget must be >= 0 bytes, got {nbytes}")
+    return nbytes
+
+
+def set_memory_budget(nbytes: int) -> int:
+    """Set the process-wide memory budget (bytes); returns the previous one.
+
+    Auto never takes a route that would build more than ``nbytes`` of ``(b, h, i, j)``-sized
+    masks and biases (a mask or bias function evaluated on the full grid, for torch's fused
+    kernel; a causal band written out; a mask and a bias combined). ``memory_budget`` sets it
+    for a ``with`` block only. Default ``DEFAULT_MEMORY_BUDGET`` (1 GiB).
+    """
+    previous = _DEFAULT_BUDGET[0]
+    _DEFAULT_BUDGET[0] = _checked_budget(nbytes)
+    _RANKED.clear()
+    return previous
+
+
+@contextlib.contextmanager
+def memory_budget(nbytes: int) -> Iterator[None]:
+    """Use a memory budget of ``nbytes`` (see ``set_memory_budget``) inside a ``with`` block.
+
+    For this thread or task only; blocks nest, the innermost wins. A bad value fails here,
+    before the block runs.
+    """
+    token = _BUDGET.set(_checked_budget(nbytes))
+    try:
+        yield
+    finally:
+        _BUDGET.reset(token)
+
+
+def get_memory_budget() -> int:
+    """The memory budget in force here: the innermost ``memory_budget`` block's, else the
+    process-wide one."""
+    budget = _BUDGET.get()
+    return _DEFAULT_BUDGET[0] if budget is None else budget
+
+
+# Auto: weigh the candidates.
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One candidate's answer for a call: why it cannot serve it, or what it would cost."""
+
+    backend: str
+    why_not: str | None
+    estimate: Estimate | None
+    chosen: bool = False
+
+    def sentence(self, best: float | None = None) -> str:
+        """One line for ``explain``; ``best`` is the chosen backend's estimated seconds."""
+        if self.estimate is None:
+            return f"{self.backend}: cannot serve this call: {self.why_not}"
+        cost = f"about {_duration(self.estimate.seconds)}"
+        if self.estimate.how:
+            cost += f"; {self.estimate.how}"
+        if self.why_not is not None:
+            return f"{self.backend}: left out: {self.why_not} ({cost})"
+        if self.chosen:
+            return f"{self.backend}: chosen, the cheapest estimate: {cost}"
+        if best:
+            cost = f"{self.estimate.seconds / best:.2f}x the chosen, " + cost
+        return f"{self.backend}: not chosen: {cost}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 1.0:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.0f} µs"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def weigh(call: AttentionCall) -> list[Verdict]:
+    """Every backend with a cost, weighed for ``call``: the chosen one first (when any can
+    serve), then the others that can by estimated seconds, then those over the memory budget,
+    then those that cannot serve the call."""
+    budget = get_memory_budget()
+    fits: list[Verdict] = []
+    over: list[Verdict] = []
+    refused: list[Verdict] = []
+    for name, cost in list(_COSTS.items()):
+        backend = _REGISTRY.get(name)
+        if backend is None:
+            continue
+        reason = backend.why_not(call)
+        if reason is not None:
+            refused.append(Verdict(name, reason, None))
+            continue
+        estimate = cost(call)
+        if estimate.materialised > budget:
+            reason = (
+                f"it would build {_bytes(estimate.materialised)} of masks and biases, over the "
+                f"memory budget of {_bytes(budget)}"
+            )
+            over.append(Verdict(name, reason, estimate))
+        else:
+            fits.append(Verdict(name, None, estimate))
+    fits.sort(key=lambda v: v.estimate.seconds)  # type: ignore[union-attr]
+    if fits:
+        fits[0] = Verdict(fits[0].backend, None, fits[0].estimate, chosen=True)
+    return fits + over + refused
+
+
+# Rankings of calls without mask or bias functions, by signature: a decoding step calls
+# attention once per layer per token with the same shapes, and weighing every candidate each
+# time would cost more than torch's kernel does on such small inputs.
+_RANKED: dict[tuple, tuple[str, ...]] = {}
+_RANKED_MAX = 1024
+
+
+def _signature(call: AttentionCall) -> tuple | None:
+    mask, bias = call.mask, call.bias
+    if callable(mask) or callable(bias):
+        return None  # functions and their structure are weighed afresh (calls with n x n work)
+    q = call.query
+    return (
+        q.dtype,
+        q.device.type,
+        q.shape,
+        call.key.shape,
+        call.value.shape,
+        None if mask is None else mask.shape,
+        None if bias is None else (bias.shape, bias.dtype),
+        call.is_causal,
+        call.needs_grad,
+        call.return_weights,
+        call.dropout_p > 0.0,
+        call.generator is None,
+        call.softcap is None,
+        call.sinks is None,
+        get_memory_budget(),
+    )
+
+
+def _auto(call: AttentionCall) -> Backend:
+    key = _signature(call)
+    ranked = None if key is None else _RANKED.get(key)
+    if ranked is not None:
+        for name in ranked:
+            backend = _REGISTRY.get(name)
+            if backend is not None and backend.why_not(call) is None:
+                return backend
+    verdicts = weigh(call)
+    if verdicts and verdicts[0].chosen:
+        if key is not None:
+            if len(_RANKED) >= _RANKED_MAX:
+                _RANKED.clear()
+            _RANKED[key] = tuple(v.backend for v in verdicts if v.estimate and v.why_not is None)
+        return _REGISTRY[verdicts[0].backend]
+    math = _REGISTRY.get("math")
+    if not _COSTS and math is not None:  # no cost model loaded: the reference serves every call
+        return math
+    reasons = "; ".join(f"{v.backend}: {v.why_not}" for v in verdicts)
+    hint = ""
+    if any(v.estimate is not None for v in verdicts):
+        hint = " (raise it with attnkit.backends.memory_budget(bytes), or name a backend)"
+    raise BackendUnavailable(f"no backend can serve this call ({reasons}){hint}")
+
+
 def select_backend(name: str, call: AttentionCall) -> Backend:
-    """The backend that will serve ``call``: the named one, or the first that can for ``"auto"``.
+    """The backend that will serve ``call``: the named one, or auto's choice for ``"auto"``.
 
     Inside ``use(other)`` the name is ``other``. Raises ``BackendUnavailable`` with the
-    reasons when no backend can serve the call.
+    reasons when no backend can serve the call (within the memory budget, for auto).
     """
     name = _FORCED.get() or name
     if name == "auto":
-        reasons = []
-        for candidate in AUTO_ORDER:
-            backend = _REGISTRY.get(candidate)
-            if backend is None:
-                continue
-            reason = backend.why_not(call)
-            if reason is None:
-                return backend
-            reasons.append(f"{candidate}: {reason}")
-        raise BackendUnavailable("no backend can serve this call (" + "; ".join(reasons) + ")")
+        return _auto(call)
     backend = get_backend(name)
     reason = backend.why_not(call)
     if reason is not None:

@@ -1,0 +1,503 @@
+"""The cost model behind ``backend="auto"``: what each backend would spend on a call.
+
+Every estimate is a sum of a few terms, each a count times a constant measured on this
+machine (``RATES``)::
+
+    seconds = call                            # Python and dispatch, once per call
+            + tile * tiles                    # per key tile the tiled loop visits (Python)
+            + flops / gflops                  # the two matmuls over the pairs computed
+            + pair * pairs                    # elementwise work per (b, h, i, j) pair computed
+            + EVAL * function element-ops     # evaluating mask and bias functions
+
+The counts come from the call: the sizes ``(b, h, i, j, d)``, the dtype, whether gradients
+are needed (then the forward+backward constants apply), and the kind of mask and bias:
+
+* a tensor is read as it is; a *function* is probed once on a 2 x 2 x 2 x 2 grid of indices
+  (``_probe``) to count the element-ops it does and the shapes it builds at full size;
+* declared structure (``masks.Structure``: causal, windows, block layouts) says which key
+  tiles ``tiled`` and ``sparse`` visit, exactly as they do (``Structure.visible_keys`` and
+  ``classify``); torch's fused kernel skips tiles only for its own causal flag;
+* an undeclared mask function is sampled (8 x 8 points per tile) to guess the tiles that come
+  out all blocked, which ``tiled`` skips after evaluating them;
+* a ``relative`` bias function costs ``tiled`` one evaluation on the ``i + j - 1`` offsets.
+
+Routes that build ``(b, h, i, j)``-sized masks or biases (torch's kernel and the reference
+given a function, a causal band written out, a mask and a bias combined) report those bytes
+in ``Estimate.materialised``; auto leaves them out above the memory budget.
+
+A new backend joins auto by passing ``cost=`` to ``register_backend`` (or calling
+``register_cost``); ``tiled_like(name)`` is the tiled model with that backend's own ``RATES``
+row, for kernels that visit tiles as ``tiled`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from attnkit._structure import Band, Structure, structure_of
+from attnkit.backends import chunked as chunked_backend
+from attnkit.backends.sparse import WINDOW_BLOCK
+from attnkit.backends.tiled import tiles as tiled_tiles
+from attnkit.masks import causal_offset
+from attnkit.registry import AttentionCall, Estimate, register_cost
+
+__all__ = ["EVAL", "RATES", "Rates", "Terms", "estimate", "price", "terms", "tiled_like"]
+
+
+@dataclass(frozen=True)
+class Rates:
+    """One backend's constants for one dtype and pass (see the module docstring)."""
+
+    call: float  # seconds per call
+    tile: float  # seconds per key tile visited
+    gflops: float  # forward GFLOP/s of the whole pass (fwd+bwd: forward FLOPs / its time)
+    pair: float  # seconds per (b, h, i, j) pair computed, elementwise work
+
+
+# Measured on this machine (AMD EPYC, AVX-512 with avx512_bf16, no AMX; 2 threads) by
+# `python benchmarks/auto.py --calibrate --repeats 5` (benchmarks/_calibrate.py): for each
+# backend, dtype and pass it times, interleaved (medians of 5), a decoding step (i = 1,
+# j = 200: the per-call cost), a few tiles of one head (b = h = 1, n = 1024: per tile), plain
+# calls at n = 768 and 3072 and d = 128 (the matmul rate) and calls with a dense bias tensor
+# (torch) or a relative bias function (tiled) at n = 1536 (per pair), then fits the four
+# constants by non-negative least squares on relative errors. Sizes are off the benchmark
+# grid on purpose. "pair" is the extra per pair with a mask (torch) or a bias (tiled); for
+# math, all its elementwise work. float32 and bfloat16 were measured in separate runs.
+#                                            call (s)  tile (s)  GFLOP/s   pair (s)
+RATES: dict[tuple[str, str, str], Rates] = {
+    ("torch", "float32", "fwd"): Rates(5.32e-05, 0.0, 184.1, 3.96e-10),
+    ("torch", "float32", "fwdbwd"): Rates(2.12e-04, 0.0, 52.14, 5.40e-10),
+    ("tiled", "float32", "fwd"): Rates(1.12e-04, 8.02e-05, 178.5, 6.15e-10),
+    ("tiled", "float32", "fwdbwd"): Rates(4.56e-05, 1.37e-04, 40.66, 7.51e-10),
+    ("sparse", "float32", "fwd"): Rates(0.0, 8.48e-05, 106.0, 0.0),
+    ("sparse", "float32", "fwdbwd"): Rates(2.50e-03, 0.0, 38.73, 0.0),
+    ("math", "float32", "fwd"): Rates(1.45e-04, 0.0, 154.5, 3.47e-09),
+    ("math", "float32", "fwdbwd"): Rates(1.48e-04, 0.0, 67.36, 8.27e-09),
+    ("torch", "bfloat16", "fwd"): Rates(2.18e-04, 0.0, 175.6, 7.18e-10),
+    ("torch", "bfloat16", "fwdbwd"): Rates(3.44e-04, 0.0, 68.74, 1.15e-09),
+    ("tiled", "bfloat16", "fwd"): Rates(1.70e-04, 6.50e-05, 136.2, 6.95e-10),
+    ("tiled", "bfloat16", "fwdbwd"): Rates(0.0, 2.25e-04, 41.71, 1.62e-09),
+    ("sparse", "bfloat16", "fwd"): Rates(9.73e-04, 0.0, 88.92, 0.0),
+    ("sparse", "bfloat16", "fwdbwd"): Rates(2.00e-03, 0.0, 30.75, 0.0),
+    ("math", "bfloat16", "fwd"): Rates(1.69e-04, 0.0, 219.2, 4.98e-09),
+    ("math", "bfloat16", "fwdbwd"): Rates(2.95e-04, 0.0, 62.3, 9.47e-09),
+}
+EVAL = 1.5e-09
+"""Seconds per element-op of a mask or bias function (an op's output elements at full size):
+the time to materialise ALiBi, T5-style buckets and document ids at (1, 8, 1536, 1536) over
+the element-ops ``_probe`` counts for them (median; 1.5e-9 in float32, 2.0e-9 in bfloat16)."""
+
+# dtypes without their own rows: float16 runs like bfloat16; float64 like float32, at half speed.
+_ROW = {torch.float16: ("bfloat16", 1.0), torch.float64: ("float32", 2.0)}
+
+
+def _rates(backend: str, work: _Work) -> Rates:
+    return RATES[(backend, work.row, "fwdbwd" if work.grad else "fwd")]
+
+
+# The call, measured once per call object (the registry asks every candidate in a row).
+
+
+@dataclass(frozen=True)
+class _Fn:
+    """What a probe of a mask or bias function found, scaled to a shape (``_Probe.at``)."""
+
+    ops: float  # element-ops (sum of every op's output elements)
+    out_bytes: int  # bytes of its result
+    temp_bytes: int  # bytes of its largest intermediate
+
+
+class _Probe:
+    """The ops a function ran on a 2 x 2 x 2 x 2 index grid: for each, which of (b, h, i, j)
+    its output spans and its element size; ``at(shape)`` scales them to a full grid."""
+
+    def __init__(self, spans: list[tuple[tuple[bool, ...], int]], out: tuple[bool, ...], size: int):
+        self.spans, self.out, self.size = spans, out, size
+
+    def at(self, shape: tuple[int, ...]) -> _Fn:
+        def elems(span: tuple[bool, ...]) -> int:
+            return math.prod(n for n, s in zip(shape, span, strict=True) if s)
+
+        sizes = [elems(span) * item for span, item in self.spans]
+        ops = float(sum(elems(span) for span, _ in self.spans))
+        return _Fn(ops, elems(self.out) * self.size, max(sizes, default=0))
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, Tensor) and out.ndim == 4:
+            self.outputs.append(out)
+        return out
+
+
+_PROBES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FULL = (True, True, True, True)
+
+
+def _probe(fn, shape: tuple[int, ...], device: torch.device) -> _Probe:
+    """Run ``fn`` on index grids of two positions per dim (one where the dim is 1), noting
+    the shape of every op's output; a function that fails here counts as a full-grid one."""
+    sizes = tuple(min(2, n) for n in shape)
+    key = (sizes, device.type)
+    try:
+        cached = _PROBES.get(fn, {}).get(key)
+    except TypeError:  # not weakly referable: probed each time
+        cached = None
+    if cached is not None:
+        return cached
+    grids = [
+        torch.arange(s, device=device).view([s if a == d else 1 for a in range(4)])
+        for d, s in enumerate(sizes)
+    ]
+    recorder = _Recorder()
+    try:
+        with torch.no_grad(), recorder:
+            out = fn(*grids)
+    except Exception:  # the backend will raise it with its own message; cost it pessimistically
+        return _Probe([(_FULL, 8)] * 8, _FULL, 4)
+
+    def span(t: Tensor) -> tuple[bool, ...]:
+        return tuple(n > 1 or s == 1 for n, s in zip(t.shape, sizes, strict=True))
+
+    spans = [(span(t), t.element_size()) for t in recorder.outputs]
+    out_span = span(out) if isinstance(out, Tensor) and out.ndim == 4 else _FULL
+    size = out.element_size() if isinstance(out, Tensor) else 4
+    probe = _Probe(spans or [(out_span, size)], out_span, size)
+    with contextlib.suppress(TypeError):  # not weakly referable: probed each time
+        _PROBES.setdefault(fn, {})[key] = probe
+    return probe
+
+
+@dataclass
+class _Work:
+    """The counts every backend's estimate reads, computed once per call."""
+
+    call: AttentionCall
+    row: str
+    slow: float  # time multiplier for dtypes without a row of their own
+    grad: bool
+    b: int  # leading dims, multiplied
+    h: int
+    i: int
+    j: int
+    d: int
+    dv: int
+    itemsize: int
+
+    @property
+    def flops_per_pair(self) -> int:
+        return 2 * (self.d + self.dv)  # q.k and w.v, forward
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.b, self.h, self.i, self.j)
+
+
+_LAST: list = [(None, None)]  # (call, _Work) of the latest call weighed, swapped whole
+
+
+def _work(call: AttentionCall) -> _Work:
+    last_call, last_work = _LAST[0]
+    if last_call is call:
+        return last_work
+    q, v = call.query, call.value
+    row, slow = _ROW.get(q.dtype, (str(q.dtype).removeprefix("torch."), 1.0))
+    if row not in ("float32", "bfloat16"):
+        row, slow = "float32", 1.0
+    lead = q.shape[:-3] if q.ndim >= 4 else q.shape[:-2]
+    h = q.shape[-3] if q.ndim >= 4 else 1
+    work = _Work(
+        call,
+        row,
+        slow,
+        call.needs_grad,
+        math.prod(lead),
+        h,
+        q.shape[-2],
+        call.key.shape[-2],
+        q.shape[-1],
+        v.shape[-1],
+        q.element_size(),
+    )
+    _LAST[0] = (call, work)
+    return work
+
+
+def _fn(work: _Work, fn, shape: tuple[int, ...] | None = None) -> _Fn:
+    return _probe(fn, work.shape, work.call.query.device).at(shape or work.shape)
+
+
+@dataclass(frozen=True)
+class Terms:
+    """The counts one backend's estimate multiplies by its ``Rates`` (``price``)."""
+
+    tiles: float = 0.0  # key tiles (or query groups) the tiled loop visits
+    pairs: float = 0.0  # (b, h, i, j) pairs whose matmuls run
+    extra: float = 0.0  # pairs with elementwise work beyond the plain call
+    ops: float = 0.0  # element-ops of mask and bias functions
+    materialised: int = 0  # bytes of (b, h, i, j)-sized masks and biases built
+    how: str = ""
+
+
+def price(rates: Rates, terms: Terms, work: _Work) -> float:
+    """``call + tile * tiles + flops / gflops + pair * extra + EVAL * ops``, in seconds."""
+    flops = terms.pairs * work.flops_per_pair
+    seconds = rates.call + rates.tile * terms.tiles + flops / (rates.gflops * 1e9)
+    return work.slow * (seconds + rates.pair * terms.extra + EVAL * terms.ops)
+
+
+def _priced(name: str, terms_fn):
+    """A cost function from a terms function and the ``RATES`` rows of backend ``name``."""
+
+    def cost(call: AttentionCall) -> Estimate:
+        work = _work(call)
+        terms = terms_fn(work)
+        return Estimate(price(_rates(name, work), terms, work), terms.materialised, terms.how)
+
+    return cost
+
+
+def _visible_fraction(band: Band, i: int, j: int) -> float:
+    """The fraction of (query, key) pairs inside ``band`` (exact: a sum over queries)."""
+    if i == 0 or j == 0:
+        return 0.0
+    q = torch.arange(i, dtype=torch.float64) + band.offset
+    lo = torch.zeros(i, dtype=torch.float64) if band.left is None else (q - band.left).clamp(0)
+    hi = torch.full((i,), float(j)) if band.right is None else (q + band.right + 1).clamp(max=j)
+    return float((hi - lo).clamp(min=0).sum()) / (i * j)
+
+
+# Torch's fused kernel and the reference: dense masks and biases, built when given functions.
+
+
+def _dense_parts(work: _Work, per_rows: float = 1.0) -> tuple[float, int, list[str]]:
+    """What building the call's mask and bias as tensors costs: (element-ops, bytes, words);
+    ``per_rows`` scales to a share of the query rows (chunked)."""
+    call = work.call
+    ops, built, words, temp = 0.0, 0, [], 0
+    for name, fn in (("mask", call.mask), ("bias", call.bias)):
+        if callable(fn):
+            f = _fn(work, fn)
+            ops += f.ops
+            built += f.out_bytes
+            temp = max(temp, f.temp_bytes)
+            words.append(f"the {name} function")
+    return ops * per_rows, int((built + temp) * per_rows), words
+
+
+def _mask_shape(work: _Work, causal_dense: bool) -> tuple[int, ...]:
+    """The shape of the one mask tensor the kernel reads: mask, bias and causal band
+    broadcast together (``()`` when there is none)."""
+    call = work.call
+    shapes = []
+    for t in (call.mask, call.bias):
+        if isinstance(t, Tensor):
+            shapes.append(tuple(t.shape))
+        elif callable(t):
+            f = _probe(t, work.shape, call.query.device)
+            shapes.append(tuple(n if s else 1 for n, s in zip(work.shape, f.out, strict=True)))
+    if causal_dense:
+        shapes.append((work.i, work.j))
+    return tuple(torch.broadcast_shapes(*shapes)) if shapes else ()
+
+
+def torch_terms(work: _Work) -> Terms:
+    call = work.call
+    flag = call.is_causal and work.i == work.j and call.mask is None and call.bias is None
+    full = work.b * work.h * work.i * work.j
+    pairs = full * (_visible_fraction(Band(None, 0, 0), work.i, work.j) if flag else 1.0)
+    causal_dense = call.is_causal and not flag
+    shape = _mask_shape(work, causal_dense)
+    elems = math.prod(shape) if shape else 0
+    ops, built, words = _dense_parts(work)
+    if causal_dense:
+        ops += 3 * work.i * work.j
+        built += work.i * work.j
+        words.append("the causal band")
+    if call.mask is not None or causal_dense:  # a bool mask becomes one float mask
+        built += elems * work.itemsize
+    how = ""
+    if words:
+        how = f"builds {' and '.join(words)} as a {shape} tensor for torch's kernel"
+    return Terms(0, pairs, full if elems else 0, ops, built, how)
+
+
+def math_terms(work: _Work) -> Terms:
+    call = work.call
+    full = work.b * work.h * work.i * work.j
+    ops, built, words = _dense_parts(work)
+    if call.is_causal:
+        ops += 3 * work.i * work.j
+        built += work.i * work.j
+    how = "explicit scores"
+    if words:
+        how += f"; builds {' and '.join(words)} as tensors"
+    return Terms(0, full, full, ops, built, how)
+
+
+def chunked_cost(call: AttentionCall) -> Estimate:
+    """The reference over query chunks (``math``'s rates); under autograd each chunk's
+    forward runs again in backward (checkpointing)."""
+    work = _work(call)
+    rows = max(1, chunked_backend.BUDGET // max(1, work.h * work.j))
+    chunks = max(1, math.ceil(work.i / rows))
+    share = min(1.0, rows / max(1, work.i))
+    full = math_terms(work)
+    seconds = price(_rates("math", work), full, work) + chunks * _rates("math", work).call
+    if work.grad:
+        seconds += price(RATES[("math", work.row, "fwd")], full, work)
+    word = "chunk" if chunks == 1 else "chunks"
+    how = f"{chunks} query {word} of {min(rows, work.i)} rows"
+    return Estimate(seconds, int(full.materialised * share), how)
+
+
+# The tiled family: tiles visited, as the tiled backend's ``Tiles.groups`` chooses them.
+
+
+@dataclass(frozen=True)
+class _Visit:
+    tiles: int  # key tiles visited (their matmuls run)
+    pairs: float  # (i, j) pairs in them, per (b, h)
+    evaluated: float  # pairs where the mask function is evaluated, per (b, h)
+    groups: int  # query blocks with at least one tile
+
+
+def _mask_structure(call: AttentionCall) -> tuple[Structure, object]:
+    """The mask structure ``tiled`` sees (the mask function AND the causal band) and the
+    undeclared mask function to sample, if any."""
+    fn = call.mask if callable(call.mask) else None
+    parts = []
+    if fn is not None:
+        parts.append(structure_of(fn))
+    if call.is_causal:
+        parts.append(Structure(band=Band(None, 0, causal_offset(call.n_queries, call.n_keys))))
+    structure = Structure(parts=tuple(parts)) if parts else Structure()
+    undeclared = fn if fn is not None and not _declares_all(structure_of(fn)) else None
+    return structure, undeclared
+
+
+def _declares_all(s: Structure) -> bool:
+    """Whether a structure's ``classify`` is exact: bands and block layouts say where the
+    function is True, not only where it is False."""
+    if s.parts:
+        return all(_declares_all(p) for p in s.parts)
+    return (s.band is not None or s.layout is not None) and s.tile is None
+
+
+def _visit(work: _Work, bq: int, bk: int, gather: bool) -> _Visit:
+    structure, undeclared = _mask_structure(work.call)
+    i, j = work.i, work.j
+    if not structure.skips and undeclared is None:
+        nq, nk = math.ceil(i / bq), math.ceil(j / bk)
+        return _Visit(nq * nk, float(i * j), 0.0, nq)
+    tiles: list[tuple[int, int, int, int, bool]] = []  # i0, i1, j0, j1, evaluated
+    for i0 in range(0, i, bq):
+        i1 = min(i, i0 + bq)
+        for lo, hi in structure.visible_keys(i0, i1, 0, j):
+            for j0 in range(lo, hi, bk):
+                j1 = min(hi, j0 + bk)
+                state = structure.classify(i0, i1, j0, j1)
+                if state is not False:
+                    tiles.append((i0, i1, j0, j1, state is None))
+    evaluated = sum((t[1] - t[0]) * (t[3] - t[2]) for t in tiles if t[4])
+    if undeclared is not None and tiles:
+        kept = _sampled(undeclared, tiles, work)
+        tiles = [t for t, keep in zip(tiles, kept, strict=True) if keep]
+    pairs = float(sum((t[1] - t[0]) * (t[3] - t[2]) for t in tiles))
+    groups = len({t[0] for t in tiles})
+    count = groups if gather else len(tiles)
+    return _Visit(count, pairs, float(evaluated), groups)
+
+
+def _sampled(fn, tiles: list[tuple[int, int, int, int, bool]], work: _Work) -> list[bool]:
+    """Whether each tile has a visible pair among 8 x 8 sample points of the mask function
+    (batch 0, head 0): ``tiled`` skips a tile that evaluates all blocked."""
+    device = work.call.query.device
+    t = torch.tensor([x[:4] for x in tiles], dtype=torch.float64)  # (T, 4)
+    steps = torch.linspace(0, 1, 8, dtype=torch.float64)
+    rows = (t[:, :1] + steps * (t[:, 1:2] - 1 - t[:, :1])).round().long()  # (T, 8)
+    cols = (t[:, 2:3] + steps * (t[:, 3:4] - 1 - t[:, 2:3])).round().long()  # (T, 8)
+    zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad():
+            seen = fn(
+                zero, zero, rows.to(device).view(1, -1, 8, 1), cols.to(device).view(1, -1, 1, 8)
+            )
+        seen = seen.expand(1, len(tiles), 8, 8).reshape(len(tiles), -1).any(dim=1)
+        return [bool(x) for x in seen.cpu()]
+    except Exception:
+        return [True] * len(tiles)
+
+
+def tiled_like(name: str, *, gather: bool = False, block: int | None = None):
+    """The cost function of a backend that visits tiles as ``tiled`` does, with the
+    ``RATES`` rows of backend ``name`` (``gather``: one group per query block, ``sparse``)."""
+    return _priced(name, lambda work: tiled_terms(work, gather=gather, block=block))
+
+
+def tiled_terms(work: _Work, *, gather: bool = False, block: int | None = None) -> Terms:
+    call = work.call
+    has_bias = call.bias is not None
+    if block is not None or gather:
+        size = block or structure_of(call.mask).block or WINDOW_BLOCK
+        bq, bk = size, size
+    else:
+        bq, bk = tiled_tiles.tile_sizes(None, None, has_bias)
+    visit = _visit(work, bq, bk, gather)
+    bh = work.b * work.h
+    ops = 0.0
+    if callable(call.mask) and visit.evaluated:
+        ops += _fn(work, call.mask).ops * visit.evaluated / (work.i * work.j)
+    if callable(call.bias):
+        if structure_of(call.bias).relative:
+            ops += _fn(work, call.bias, (1, work.h, 1, work.i + work.j - 1)).ops
+        else:
+            ops += _fn(work, call.bias).ops * visit.pairs / max(1, work.i * work.j)
+    if work.grad:
+        ops *= 2  # the backward evaluates the functions again
+    share = visit.pairs / max(1, work.i * work.j)
+    unit = "query blocks" if gather else "tiles"
+    how = f"{visit.tiles} {unit} of {bq} x {bk}, {share:.0%} of pairs"
+    return Terms(visit.tiles, bh * visit.pairs, bh * visit.pairs if has_bias else 0.0, ops, 0, how)
+
+
+TERMS = {
+    "torch": torch_terms,
+    "tiled": tiled_terms,
+    "sparse": lambda work: tiled_terms(work, gather=True),
+    "math": math_terms,
+}
+"""The terms of each backend whose ``RATES`` are measured (``chunked`` uses ``math``'s)."""
+
+
+def terms(name: str, call: AttentionCall) -> Terms:
+    """Backend ``name``'s counts for ``call`` (which it must serve): what calibration fits."""
+    return TERMS[name](_work(call))
+
+
+def estimate(name: str, call: AttentionCall) -> Estimate:
+    """The estimate of backend ``name``'s cost model for ``call`` (which it must serve)."""
+    return _COST_FNS[name](call)
+
+
+_COST_FNS = {
+    "torch": _priced("torch", torch_terms),
+    "tiled": tiled_like("tiled"),
+    "sparse": tiled_like("sparse", gather=True),
+    "chunked": chunked_cost,
+    "math": _priced("math", math_terms),
+}
+for _name, _cost in _COST_FNS.items():
+    register_cost(_name, _cost)

@@ -1,0 +1,258 @@
+"""The cost model behind auto: its counts against hand-computed and brute-force oracles, the
+memory budget (a bias over it is never built), and auto equal to the reference in every branch."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from attnkit import masks, scaled_dot_product_attention
+from attnkit.backends import chunked, cost, explain, memory_budget
+from attnkit.backends.sparse import block_sparse
+from attnkit.backends.tiled import BLOCK_Q
+from attnkit.backends.tiled.tiles import Spec, Tiles
+from attnkit.functional import make_call
+from attnkit.registry import select_backend
+
+F64 = torch.float64
+
+
+def _qkv(n: int = 300, b: int = 1, h: int = 2, h_kv: int | None = None, d: int = 8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h_kv = h_kv or h
+    return (
+        torch.randn(b, h, n, d, dtype=F64, generator=g),
+        torch.randn(b, h_kv, n, d, dtype=F64, generator=g),
+        torch.randn(b, h_kv, n, d, dtype=F64, generator=g),
+    )
+
+
+def _alibi(h: int):
+    slopes = torch.tensor([2.0 ** (-(x + 1)) for x in range(h)], dtype=F64)
+
+    def alibi(b, h, i, j):
+        return -slopes[h] * (i - j).abs()
+
+    return masks.relative(alibi)
+
+
+def test_probe_counts_element_ops_by_hand() -> None:
+    # -slopes[h] * (i - j).abs(): i - j and abs span (i, j); slopes[h] and its negation span
+    # h; the product spans (h, i, j). At (b, h, i, j) = (3, 4, 10, 20):
+    fn = _alibi(4)
+    found = cost._probe(fn, (3, 4, 10, 20), torch.device("cpu")).at((3, 4, 10, 20))
+    assert found.ops == 200 + 200 + 4 + 4 + 4 * 200
+    assert found.out_bytes == 4 * 200 * 8  # float64, (1, 4, 10, 20)
+    assert found.temp_bytes == 4 * 200 * 8
+    # The same function is probed once (cached by identity) and scales to any shape.
+    again = cost._probe(fn, (3, 4, 10, 20), torch.device("cpu"))
+    assert again is cost._probe(fn, (3, 4, 10, 20), torch.device("cpu"))
+    assert again.at((1, 4, 1, 7)).ops == 7 + 7 + 4 + 4 + 28
+
+
+def test_a_function_that_fails_on_the_probe_counts_as_a_full_grid() -> None:
+    def broken(b, h, i, j):
+        raise RuntimeError("not on a probe")
+
+    found = cost._probe(broken, (2, 3, 4, 5), torch.device("cpu")).at((2, 3, 4, 5))
+    assert found.ops == 8 * 120 and found.out_bytes == 4 * 120
+
+
+def _tiled_visits(q, k, mask_fn, is_causal: bool) -> tuple[int, int]:
+    """The oracle: the key tiles the tiled backend's own loop visits (``Tiles.groups``)."""
+    n_i, n_j = q.shape[2], k.shape[2]
+    if is_causal:
+        mask_fn = masks.all_of(mask_fn, masks.causal_fn(masks.causal_offset(n_i, n_j)))
+    loop = Tiles(Spec(1.0, mask_fn=mask_fn), q, k)
+    tiles = pairs = 0
+    for i0 in range(0, n_i, BLOCK_Q):
+        i1 = min(n_i, i0 + BLOCK_Q)
+        for sel, _ in loop.groups(i0, i1):
+            tiles += 1
+            pairs += (i1 - i0) * (sel.stop - sel.start)
+    return tiles, pairs
+
+
+@pytest.mark.parametrize(
+    ("n_i", "n_j", "kw"),
+    [
+        (1000, 1000, {"is_causal": True}),
+        (300, 1000, {"is_causal": True}),  # bottom-right with a KV cache
+        (1000, 1000, {"mask": masks.window_fn(99)}),
+        (777, 777, {"mask": masks.window_fn(50, 30), "is_causal": True}),
+    ],
+)
+def test_tiles_visited_match_a_brute_force_count(n_i, n_j, kw) -> None:
+    q = torch.zeros(1, 1, n_i, 4)
+    k = torch.zeros(1, 1, n_j, 4)
+    call = make_call(q, k, k, **kw)
+    want_tiles, want_pairs = _tiled_visits(q, k, kw.get("mask"), kw.get("is_causal", False))
+    got = cost.terms("tiled", call)
+    assert (got.tiles, got.pairs) == (want_tiles, want_pairs)
+    if kw.get("is_causal") and len(kw) == 1 and n_i == n_j:  # torch's kernel skips above it
+        assert cost.terms("torch", call).pairs == pytest.approx(n_i * (n_i + 1) / 2)
+
+
+def test_an_undeclared_mask_is_sampled_for_the_tiles_it_blocks() -> None:
+    # Four documents of 256 positions: with tiles of 256 the blocked tiles are exactly the
+    # off-diagonal ones, and 8 x 8 samples per tile find every visible one.
+    ids = torch.arange(1024) // 256
+
+    def document(b, h, i, j):
+        return ids[i] == ids[j]
+
+    q = torch.zeros(1, 1, 1024, 4)
+    got = cost.terms("tiled", make_call(q, q, q, document))
+    assert (got.tiles, got.pairs) == (4, 4 * 256 * 256)
+    assert cost.terms("torch", make_call(q, q, q, document)).pairs == 1024 * 1024  # no skipping
+
+
+def test_terms_scale_with_the_call() -> None:
+    q, k, v = (t.float() for t in _qkv(512, b=2, h=4))
+    plain = cost.terms("torch", make_call(q, k, v))
+    assert plain.pairs == 2 * 4 * 512 * 512 and plain.extra == 0 and plain.materialised == 0
+    with_bias = cost.terms("torch", make_call(q, k, v, bias=_alibi(4)))
+    assert with_bias.extra == plain.pairs
+    assert with_bias.materialised >= 4 * 512 * 512 * 8  # the float64 bias (1, 4, i, j) at least
+    tiled = cost.terms("tiled", make_call(q, k, v, bias=_alibi(4)))
+    assert tiled.materialised == 0 and tiled.tiles == 2  # 512 x 512 in tiles of 256 x 512
+    # A relative bias is evaluated once on the i + j - 1 offsets: far fewer ops than torch's.
+    assert tiled.ops < with_bias.ops / 100
+    grad = make_call(q.requires_grad_(), k, v, bias=_alibi(4))
+    assert cost.estimate("torch", grad).seconds > cost.estimate("torch", make_call(q, k, v)).seconds
+
+
+def test_float64_and_float16_use_the_nearest_measured_rows() -> None:
+    q, k, v = _qkv(256)
+    f64 = cost.estimate("torch", make_call(q, k, v)).seconds
+    f32 = cost.estimate("torch", make_call(q.float(), k.float(), v.float())).seconds
+    assert f64 == pytest.approx(2 * f32)
+    half = make_call(q.half(), k.half(), v.half())
+    bf16 = make_call(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert cost.estimate("tiled", half).seconds == cost.estimate("tiled", bf16).seconds
+
+
+def _recorded(fn, shapes: list[tuple[int, ...]]):
+    def recording(b, h, i, j):
+        out = fn(b, h, i, j)
+        shapes.append(tuple(out.shape))
+        return out
+
+    return masks.declare(recording, masks.structure_of(fn))
+
+
+def test_a_tiny_budget_never_builds_the_bias_and_matches_the_reference() -> None:
+    n = 700
+    q, k, v = _qkv(n, h=2)
+    shapes: list[tuple[int, ...]] = []
+    bias = _recorded(_alibi(2), shapes)
+    ref = scaled_dot_product_attention(q, k, v, bias=bias, backend="math")
+    assert (1, 2, n, n) in shapes  # the reference builds it (the oracle for "built")
+    shapes.clear()
+    with memory_budget(1024):
+        e = explain(q, k, v, bias=bias)
+        assert e.backend == "tiled"
+        over = {v.backend: v.why_not for v in e.verdicts if v.why_not and v.estimate}
+        assert {"torch", "math"} <= set(over)
+        assert all("over the memory budget of 1.0 KiB" in why for why in over.values())
+        out = scaled_dot_product_attention(q, k, v, bias=bias)
+    assert shapes and max(math.prod(s[-2:]) for s in shapes) < n * n  # never on the full grid
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    # With the default budget, a small call takes whatever is cheapest: the same result.
+    torch.testing.assert_close(scaled_dot_product_attention(q, k, v, bias=bias), ref)
+
+
+def _document(n: int):
+    ids = torch.arange(n) * 3 // n
+
+    def document(b, h, i, j):
+        return ids[i] == ids[j]
+
+    return document
+
+
+def _branches(n: int, h: int, slope: torch.Tensor):
+    """Calls that reach every backend auto can take (under some budget)."""
+    layout = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool)  # blocks of 64
+    return {
+        "plain": {},
+        "causal": {"is_causal": True},
+        "alibi function": {"bias": _alibi(h)},
+        "window function": {"mask": masks.window_fn(40)},
+        "block layout": {"mask": block_sparse(layout, 64)},
+        "document function": {"mask": _document(n), "is_causal": True},
+        "mask tensor": {"mask": torch.rand(n, n, generator=torch.Generator().manual_seed(1)) > 0.3},
+        "bias tensor": {"bias": torch.randn(h, n, n, dtype=F64)},
+        "learnable bias function": {"bias": lambda b, h, i, j: -slope * (i - j).abs()},
+        "weights": {"return_weights": True, "bias": _alibi(h)},
+    }
+
+
+N = 160
+BRANCHES = list(_branches(N, 2, torch.tensor(0.0)))
+
+
+@pytest.mark.parametrize("budget", [None, 0, 100_000])
+@pytest.mark.parametrize("branch", BRANCHES)
+def test_auto_equals_the_reference_in_every_branch(branch: str, budget, monkeypatch) -> None:
+    """Forward and gradients, float64, h = 4 over 2 key/value heads (GQA); budgets: the
+    default, none at all and one that fits only chunks of the reference (its chunks shrunk)."""
+    monkeypatch.setattr(chunked, "BUDGET", 4 * N * 40)  # 40 query rows per chunk
+    n = N
+    q, k, v = (t.requires_grad_() for t in _qkv(n, h=4, h_kv=2, seed=3))
+    slope = torch.tensor(0.3, dtype=F64, requires_grad=True)
+    kw = _branches(n, 4, slope)[branch]
+    call = make_call(q, k, v, **kw)
+    ref = scaled_dot_product_attention(q, k, v, backend="math", **kw)
+    with memory_budget(budget) if budget is not None else contextlib.nullcontext():
+        e = explain(q, k, v, **kw)
+        if e.backend is None:  # nothing fits: auto says so and builds nothing
+            assert budget is not None and any(v.estimate for v in e.verdicts)
+            with pytest.raises(ValueError, match="memory budget"):
+                scaled_dot_product_attention(q, k, v, **kw)
+            return
+        assert e.backend == select_backend("auto", call).name
+        if budget == 0:
+            assert e.verdicts[0].estimate.materialised == 0
+        out = scaled_dot_product_attention(q, k, v, **kw)
+    if kw.get("return_weights"):
+        (out, weights), (ref, ref_weights) = out, ref
+        torch.testing.assert_close(weights, ref_weights, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    leaves = [q, k, v, slope] if branch == "learnable bias function" else [q, k, v]
+    got = torch.autograd.grad(out.sum(), leaves)
+    want = torch.autograd.grad(ref.sum(), leaves)
+    for g_got, g_want in zip(got, want, strict=True):
+        torch.testing.assert_close(g_got, g_want, atol=1e-10, rtol=1e-8)
+
+
+def test_the_branches_reach_every_backend() -> None:
+    """The parametrised test above is only as good as the routes it takes."""
+    n = N
+    q, k, v = (t.requires_grad_() for t in _qkv(n, h=4, h_kv=2, seed=3))
+    taken = set()
+    old = chunked.BUDGET
+    chunked.BUDGET = 4 * N * 40
+    try:
+        for budget in (None, 0, 100_000):
+            for kw in _branches(n, 4, torch.tensor(0.3, requires_grad=True)).values():
+                with memory_budget(budget) if budget is not None else contextlib.nullcontext():
+                    taken.add(explain(q, k, v, **kw).backend)
+    finally:
+        chunked.BUDGET = old
+    assert {"torch", "tiled", "math", "chunked"} <= taken
+
+
+def test_a_long_narrow_window_with_gradients_takes_sparse_and_matches() -> None:
+    q, k, v = (t.requires_grad_() for t in _qkv(1024, h=2, d=16, seed=5))
+    window = masks.window_fn(63)
+    assert explain(q, k, v, window).backend == "sparse"
+    out = scaled_dot_product_attention(q, k, v, window)
+    ref = scaled_dot_product_attention(q, k, v, window, backend="math")
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    got_grads = torch.autograd.grad(out.sum(), (q, k, v))
+    for got, want in zip(got_grads, torch.autograd.grad(ref.sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-8)
