@@ -53,6 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
+from attnkit._progress import progress  # a bar when stderr is a terminal
 
 HEADS, DIM, WINDOW = 8, 64, 256
 
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     ceiling: list[float] = []
     started = time.time()
-    for n in args.sizes:
+    for n in progress(args.sizes, desc="sizes", unit="n"):
         b = args.batch or batch_for(n)
         methods = [m for m in args.methods if fits(m, b, n, args.max_dense_gb)]
         skipped = [m for m in args.methods if m not in methods]

@@ -33,6 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import environment, write_section
 
+from attnkit._progress import progress  # a bar when stderr is a terminal
+
 _TEXT = (
     "the a model attention reads every word of a sentence and weighs how much each other word "
     "matters for its meaning so that context flows between positions in one step while "
@@ -66,7 +68,7 @@ def interleaved(
         for name in names:
             candidates[name](step)
     totals: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
+    for r in progress(range(repeats), desc="rounds", unit="round"):
         spent = dict.fromkeys(names, 0.0)
         for step in range(steps):
             for name in names if (r + step) % 2 == 0 else names[::-1]:

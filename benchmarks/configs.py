@@ -26,6 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import environment, write_section
 
+from attnkit._progress import progress  # a bar when stderr is a terminal
+
 CONFIGS = [(64, 4, 2), (128, 8, 3), (256, 16, 4)]
 
 
@@ -49,7 +51,7 @@ def sweep_iris(seeds: list[int]) -> list[dict]:
     from attnkit.train.loop import FitOptions, evaluate, fit
 
     rows, models = [], []
-    for d, h, n in CONFIGS:
+    for d, h, n in progress(CONFIGS, desc="configs", unit="config"):
         accs, secs, epochs = [], [], []
         for seed in seeds:
             train, val, test = iris_datasets(seed)
@@ -91,7 +93,7 @@ def sweep_text(epochs: int, limit_train: int | None, seed: int = 0) -> list[dict
     train, val, test = scratch_datasets(data, vocab, 64)
     config = replace(SCRATCH_TRAIN, epochs=epochs, seed=seed, patience=0)
     rows, models = [], []
-    for d, h, n in CONFIGS:
+    for d, h, n in progress(CONFIGS, desc="configs", unit="config"):
         torch.manual_seed(seed)
         model = TextAttentionClassifier(
             TextConfig(vocab_size=len(vocab), d_model=d, num_heads=h, num_layers=n)

@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import environment, write_section
 
+from attnkit._progress import progress  # a bar when stderr is a terminal
 from attnkit.viz.explorer import ERROR_BOUND, AttentionExplorer, page_weights
 
 ARGS = [
@@ -104,7 +105,7 @@ def main() -> None:
     size: dict[str, int] = {}
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
-        for r in range(args.repeats):
+        for r in progress(range(args.repeats), desc="rounds", unit="round"):
             for name in names if r % 2 == 0 else reversed(names):
                 t = time.perf_counter()
                 path = explorers[name].save(tmp / "e.html")

@@ -41,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
+from attnkit._progress import progress  # a bar when stderr is a terminal
 
 HEADS, DIM, WINDOW, BLOCK = 8, 64, 256, 128
 SCENARIOS = ["document", "window + ALiBi", "learned table"]
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = ["fwd", "fwdbwd"]
     routes = ROUTES + (["torch compiled"] if args.compiled else [])
     rows: list[dict] = []
-    for scen in args.scenarios:
+    for scen in progress(args.scenarios, desc="scenarios", unit="scenario"):
         for n in args.n:
             for dtype in args.dtypes:
                 key = (scen, n, dtype)

@@ -38,8 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
-
 from _report import CHARTS, environment, write_chart, write_section
+
+from attnkit._progress import progress  # a bar when stderr is a terminal
 
 NEW_TOKENS = 128
 LENGTHS = (16, 64, 256, 1024)
@@ -130,7 +131,7 @@ def hf_runner(hf, ids: list[int]):
 def speed(ours, hf, lengths, rounds: int) -> list[dict[str, object]]:
     source = ours.encode(STORY * 60)
     rows = []
-    for n in lengths:
+    for n in progress(lengths, desc="lengths", unit="n"):
         ids = source[:n]
         run = {"attnkit": attnkit_runner(ours, ids), "transformers": hf_runner(hf, ids)}
         times: dict[str, dict[str, list[float]]] = {k: {"prefill": [], "total": []} for k in run}

@@ -42,6 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
+from attnkit._progress import progress  # a bar when stderr is a terminal
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, MLP, WINDOW, VOCAB = 6, 512, 8, 2, 1408, 1024, 1000
 IMPLEMENTATIONS = ["attnkit", "sdpa", "eager"]
@@ -149,7 +150,7 @@ def cpu_model() -> str:
 
 def measure(args: argparse.Namespace) -> list[dict]:
     rows = []
-    for kind in MODELS:
+    for kind in progress(MODELS, desc="models", unit="model"):
         for n in args.n:
             chosen = [
                 impl

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attnkit._progress import progress  # a bar when stderr is a terminal
 
 
 def free_port() -> int:
@@ -96,7 +97,7 @@ def _worker(rank: int, world_max: int, port: int, args: argparse.Namespace, path
     groups = {w: dist.new_group(list(range(w))) for w in args.worlds}  # every rank calls each
     configs = [1, *args.worlds]
     rows: list[dict] = []
-    for n in args.n:
+    for n in progress(args.n, desc="sizes", unit="n"):
         samples: dict[int, list[tuple[float, float]]] = {w: [] for w in configs}
         warmup = args.warmup if n == args.n[0] else 0  # once per process: first-call costs
         for repeat in range(warmup + args.repeats):

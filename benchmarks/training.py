@@ -26,6 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import environment, write_section
 
+from attnkit._progress import progress  # a bar when stderr is a terminal
+
 SEEDS = [0, 1, 2, 3, 4]
 
 
@@ -33,7 +35,7 @@ def iris_rows(runs: Path, reuse: bool) -> list[dict]:
     from attnkit.tasks.iris import IrisRun, train_iris
 
     rows = []
-    for seed in SEEDS:
+    for seed in progress(SEEDS, desc="seeds", unit="run"):
         path = runs / f"iris-seed{seed}" / "metrics.json"
         if reuse and path.exists():
             rows.append(json.loads(path.read_text()))
