@@ -7,7 +7,8 @@ The public surface is re-exported here; everything else is reachable through its
 ``attnkit`` command starts at once. The first public name used loads the core, which imports
 the backends and so registers them, exactly as an eager import would (PEP 562). Modules that
 route by backend name (``attnkit.attention`` and everything built on it) import the backends
-themselves.
+themselves; code that imports only ``attnkit.functional`` has the reference math until
+``attnkit.backends`` is imported (any public name of ``attnkit`` does that).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the same names, for type checkers and readers; loaded on first use below
-    # (the optional subpackages of _MODULES are left out: only the CLI may depend on train)
+    # (not the subpackages that load on first use: the layer contracts keep train for the CLI)
     import attnkit.backends as backends
     import attnkit.masks as masks
     from attnkit.attention import KVCache, MultiHeadAttention
