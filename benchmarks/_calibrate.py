@@ -3,12 +3,12 @@
 For each dtype one fresh process times, interleaved round by round (medians), a few calls per
 backend chosen to separate the four constants of ``Rates``: a decoding step (the per-call
 cost), a few tiles of one head (the per-tile cost), plain calls at two sizes and two widths
-(the matmul rate) and calls with a dense bias tensor (torch) or a relative bias function
-(tiled, sparse: the per-pair extra). Sizes are off the benchmark grid of ``auto.py`` on
-purpose. ``EVAL`` is the time to materialise three functions (ALiBi, T5-style buckets,
-document ids) divided by the element-ops the cost model counts for them. The constants are
-then fitted by non-negative least squares on relative errors and printed as Python, to be
-pasted into ``src/attnkit/backends/cost.py``.
+(the matmul rate), calls with a dense bias tensor (torch) or a relative bias function (tiled:
+the per-pair extra) and short calls with functions (n = 640, b = 4). Sizes are off the
+benchmark grid of ``auto.py`` on purpose. ``EVAL`` is the time to materialise three functions
+(ALiBi, T5-style buckets, document ids) divided by the element-ops the cost model counts for
+them. The constants are then fitted by non-negative least squares on relative errors and
+printed as Python, to be pasted into ``src/attnkit/backends/cost.py``.
 """
 
 from __future__ import annotations
@@ -24,15 +24,21 @@ CONFIGS = [
     ("plain 1536 d128", "torch", (1, 8, 1536, 1536, 128), "plain"),
     ("bias tensor 1536", "torch", (1, 8, 1536, 1536, 64), "bias tensor"),
     ("bias tensor 768", "torch", (2, 8, 768, 768, 64), "bias tensor"),
+    ("alibi fn 640", "torch", (4, 8, 640, 640, 64), "alibi"),
+    ("document fn 640", "torch", (4, 8, 640, 640, 64), "document"),
     ("decode", "tiled", (1, 8, 1, 200, 64), "plain"),
     ("one head 1024", "tiled", (1, 1, 1024, 1024, 64), "plain"),
     ("plain 768", "tiled", (2, 8, 768, 768, 64), "plain"),
     ("plain 3072", "tiled", (1, 8, 3072, 3072, 64), "plain"),
     ("relative fn 1536", "tiled", (1, 8, 1536, 1536, 64), "relative"),
     ("relative fn one head", "tiled", (1, 1, 1536, 1536, 64), "relative"),
+    ("plain 640", "tiled", (4, 8, 640, 640, 64), "plain"),
+    ("relative fn 640", "tiled", (4, 8, 640, 640, 64), "relative"),
+    ("document fn 640", "tiled", (4, 8, 640, 640, 64), "document"),
     ("window one head 2048", "sparse", (1, 1, 2048, 2048, 64), "window"),
     ("window 1536", "sparse", (2, 8, 1536, 1536, 64), "window"),
     ("window 3072", "sparse", (1, 8, 3072, 3072, 64), "window"),
+    ("window 640", "sparse", (4, 8, 640, 640, 64), "window"),
     ("decode", "math", (1, 8, 1, 200, 64), "plain"),
     ("plain 768", "math", (2, 8, 768, 768, 64), "plain"),
     ("plain 1536", "math", (1, 8, 1536, 1536, 64), "plain"),

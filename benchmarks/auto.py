@@ -227,7 +227,7 @@ def render(rows: list[dict], command: str, elapsed: float, repeats: int) -> str:
     lines = [
         "## auto: the chosen route against the fastest",
         "",
-        f"Command: `{command}` ({elapsed / 60:.1f} min). {environment()}; CPU: AMD EPYC "
+        f"Command: {command} ({elapsed / 60:.1f} min). {environment()}; CPU: AMD EPYC "
         "(AVX-512 with avx512_bf16, no AMX). h=8, d=64; b = 4 up to n = 1024, 2 at 2048, 1 "
         f"from 4096. Each cell is a fresh process that interleaves, round by round, every "
         f'backend able to serve the call and `backend="auto"`; times are medians of {repeats} '
@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-dense-gb", type=float, default=6.0, help="skip bigger dense routes")
     parser.add_argument("--calibrate", action="store_true", help="measure the cost constants")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument(
+        "--tables", nargs="+", metavar="JSON", help="render rows saved by --json runs, no timing"
+    )
     parser.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks.md")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -296,6 +299,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: list[dict] = []
     started = time.time()
+    if args.tables:
+        saved = [json.loads(Path(f).read_text()) for f in args.tables]
+        rows = [r for part in saved for r in part["rows"]]
+        command = " and ".join(f"`{part['command']}`" for part in saved)
+        md = render(rows, command, sum(part["elapsed"] for part in saved), args.repeats)
+        print(md)
+        if not args.no_write:
+            from _report import write_section
+
+            print(f"wrote {write_section('auto', md)}", file=sys.stderr)
+        return 0
     for n in args.sizes:
         for dtype in args.dtypes:
             for kind in args.kinds:
@@ -322,9 +336,11 @@ def main(argv: list[str] | None = None) -> int:
                         file=sys.stderr,
                         flush=True,
                     )
+    elapsed = time.time() - started
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    md = render(rows, command, time.time() - started, args.repeats)
+        saved = {"command": command, "elapsed": elapsed, "rows": rows}
+        Path(args.json).write_text(json.dumps(saved, indent=1))
+    md = render(rows, f"`{command}`", elapsed, args.repeats)
     print(md)
     if not args.no_write:
         from _report import write_section

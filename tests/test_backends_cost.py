@@ -256,3 +256,21 @@ def test_a_long_narrow_window_with_gradients_takes_sparse_and_matches() -> None:
     got_grads = torch.autograd.grad(out.sum(), (q, k, v))
     for got, want in zip(got_grads, torch.autograd.grad(ref.sum(), (q, k, v)), strict=True):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-8)
+
+
+def test_negligible_heads_of_a_relative_bias_are_left_out_of_the_pairs() -> None:
+    # One head, bias -|i - j|, zero queries and keys (no Cauchy-Schwarz slack): a tile of
+    # 256 x 512 is negligible in float32 when its nearest pair is more than (24 + 40 + 1) bits,
+    # 45.05 nats, off the diagonal, the largest bias of every row being 0.
+    n = 1024
+    q = torch.zeros(1, 1, n, 8)
+    bias = masks.relative(lambda b, h, i, j: -(i - j).abs().float())
+    want = 0
+    for i0 in range(0, n, 256):
+        for j0 in range(0, n, 512):
+            nearest = max(0, j0 - (i0 + 255), i0 - (j0 + 511))
+            want += 256 * 512 * (nearest * math.log2(math.e) <= 65)
+    got = cost.terms("tiled", make_call(q, q, q, bias=bias))
+    assert got.pairs == want < n * n
+    bounded = masks.relative(lambda b, h, i, j: -((i - j).abs() % 7).float())  # never far below
+    assert cost.terms("tiled", make_call(q, q, q, bias=bounded)).pairs == n * n

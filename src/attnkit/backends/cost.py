@@ -41,10 +41,13 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from attnkit._numerics import compute_dtype
 from attnkit._structure import Band, Structure, structure_of
 from attnkit.backends import chunked as chunked_backend
 from attnkit.backends.sparse import WINDOW_BLOCK
 from attnkit.backends.tiled import tiles as tiled_tiles
+from attnkit.backends.tiled.skipping import NEGLIGIBLE_MARGIN
+from attnkit.backends.tiled.softmax import LOG2E
 from attnkit.masks import causal_offset
 from attnkit.registry import AttentionCall, Estimate, register_cost
 
@@ -372,6 +375,7 @@ class _Visit:
     pairs: float  # (i, j) pairs in them, per (b, h)
     evaluated: float  # pairs where the mask function is evaluated, per (b, h)
     groups: int  # query blocks with at least one tile
+    spans: list[tuple[int, int, int, int, bool]] | None = None  # the tiles, when listed
 
 
 def _mask_structure(call: AttentionCall) -> tuple[Structure, object]:
@@ -401,7 +405,7 @@ def _visit(work: _Work, bq: int, bk: int, gather: bool) -> _Visit:
     i, j = work.i, work.j
     if not structure.skips and undeclared is None:
         nq, nk = math.ceil(i / bq), math.ceil(j / bk)
-        return _Visit(nq * nk, float(i * j), 0.0, nq)
+        return _Visit(nq * nk, float(i * j), 0.0, nq)  # every tile, fully visible
     tiles: list[tuple[int, int, int, int, bool]] = []  # i0, i1, j0, j1, evaluated
     for i0 in range(0, i, bq):
         i1 = min(i, i0 + bq)
@@ -418,7 +422,7 @@ def _visit(work: _Work, bq: int, bk: int, gather: bool) -> _Visit:
     pairs = float(sum((t[1] - t[0]) * (t[3] - t[2]) for t in tiles))
     groups = len({t[0] for t in tiles})
     count = groups if gather else len(tiles)
-    return _Visit(count, pairs, float(evaluated), groups)
+    return _Visit(count, pairs, float(evaluated), groups, tiles)
 
 
 def _sampled(fn, tiles: list[tuple[int, int, int, int, bool]], work: _Work) -> list[bool]:
@@ -467,10 +471,64 @@ def tiled_terms(work: _Work, *, gather: bool = False, block: int | None = None) 
             ops += _fn(work, call.bias).ops * visit.pairs / max(1, work.i * work.j)
     if work.grad:
         ops *= 2  # the backward evaluates the functions again
-    share = visit.pairs / max(1, work.i * work.j)
+    pairs = visit.pairs
+    relative = callable(call.bias) and structure_of(call.bias).relative
+    if relative and not gather and call.softcap is None:
+        pairs -= _negligible_pairs(work, visit, bq, bk)
+    share = pairs / max(1, work.i * work.j)
     unit = "query blocks" if gather else "tiles"
     how = f"{visit.tiles} {unit} of {bq} x {bk}, {share:.0%} of pairs"
-    return Terms(visit.tiles, bh * visit.pairs, bh * visit.pairs if has_bias else 0.0, ops, 0, how)
+    return Terms(visit.tiles, bh * pairs, bh * pairs if has_bias else 0.0, ops, 0, how)
+
+
+def _largest_norm(t: Tensor) -> float:
+    """The largest row norm of ``t`` ``(..., n, d)``, estimated from at most 1024 rows spread
+    over it (reading the whole tensor would cost as much as a small call), plus a quarter."""
+    flat = t.detach().reshape(-1, t.shape[-1])
+    step = max(1, flat.shape[0] // 1024)
+    return 1.25 * float(flat[::step].float().norm(dim=-1).amax()) if flat.numel() else 0.0
+
+
+def _negligible_pairs(work: _Work, visit: _Visit, bq: int, bk: int) -> float:
+    """Pairs per (b, h) of the heads ``tiled`` leaves out as negligible (``skipping.needed``):
+    where a relative bias puts a whole tile more than the dtype's negligible bits plus twice
+    the Cauchy-Schwarz bound ``max |q| max |k| scale`` below its rows' largest bias. Tiles
+    with a mask are never left out; the heads kept are a contiguous range, as there."""
+    call = work.call
+    i, j = work.i, work.j
+    spans = visit.spans
+    if spans is None:
+        spans = [
+            (i0, min(i, i0 + bq), j0, min(j, j0 + bk), False)
+            for i0 in range(0, i, bq)
+            for j0 in range(0, j, bk)
+        ]
+    with torch.no_grad():
+        heads = torch.arange(work.h, device=call.query.device).view(1, -1, 1, 1)
+        offsets = torch.arange(i + j - 1, device=call.query.device).view(1, 1, 1, -1)
+        last = torch.full((1, 1, 1, 1), i - 1, device=call.query.device)
+        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=call.query.device)
+        try:  # bias[h, o]: key j - i = o - (i - 1)
+            table = call.bias(zero, heads, last, offsets).double().reshape(-1, i + j - 1)
+        except Exception:
+            return 0.0
+        norms = [_largest_norm(t) for t in (call.query, call.key)]
+        bound = norms[0] * norms[1] * abs(call.scale)  # |q . k| <= |q| |k|
+    if table.shape[0] != work.h or not math.isfinite(bound):
+        return 0.0
+    mantissa = round(-math.log2(torch.finfo(compute_dtype(call.query.dtype)).eps)) + 1
+    margin = (mantissa + NEGLIGIBLE_MARGIN + 1) / LOG2E + 2 * bound  # natural units
+    top = table.amax(dim=1)  # (h,): the largest bias any row can reach
+    left = 0.0
+    for i0, i1, j0, j1, masked in spans:
+        if masked:
+            continue
+        lo, hi = j0 - (i1 - 1) + (i - 1), (j1 - 1) - i0 + (i - 1)
+        negligible = (table[:, lo : hi + 1].amax(dim=1) < top - margin).tolist()
+        kept = [h for h, small in enumerate(negligible) if not small]
+        skipped = work.h - (kept[-1] - kept[0] + 1) if kept else work.h
+        left += (i1 - i0) * (j1 - j0) * skipped / work.h
+    return left
 
 
 TERMS = {
