@@ -388,23 +388,35 @@ def _signature(call: AttentionCall) -> tuple | None:
     mask, bias = call.mask, call.bias
     if callable(mask) or callable(bias):
         return None  # functions and their structure are weighed afresh (calls with n x n work)
-    q = call.query
+    q, k, v = call.query, call.key, call.value
+    # Written out (not call.needs_grad) and flags packed in one int: this runs on every call.
+    grad = torch.is_grad_enabled() and (
+        q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or (bias is not None and bias.requires_grad)
+        or (call.sinks is not None and call.sinks.requires_grad)
+    )
+    flags = (
+        call.is_causal
+        | grad << 1
+        | call.return_weights << 2
+        | (call.dropout_p > 0.0) << 3
+        | (call.generator is None) << 4
+        | (call.softcap is None) << 5
+        | (call.sinks is None) << 6
+        | q.is_cpu << 7
+    )
+    budget = _BUDGET.get()
     return (
         q.dtype,
-        q.device.type,
         q.shape,
-        call.key.shape,
-        call.value.shape,
+        k.shape,
+        v.shape,
         None if mask is None else mask.shape,
         None if bias is None else (bias.shape, bias.dtype),
-        call.is_causal,
-        call.needs_grad,
-        call.return_weights,
-        call.dropout_p > 0.0,
-        call.generator is None,
-        call.softcap is None,
-        call.sinks is None,
-        get_memory_budget(),
+        flags,
+        _DEFAULT_BUDGET[0] if budget is None else budget,
     )
 
 
