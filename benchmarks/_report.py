@@ -28,10 +28,20 @@ HEADER = (
 )
 
 
+def cpu() -> str:
+    """The CPU's model name and whether it has AMX (bfloat16 matrix tiles), from /proc/cpuinfo."""
+    info = Path("/proc/cpuinfo")
+    text = info.read_text() if info.exists() else ""
+    names = [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")]
+    if not names:
+        return platform.processor() or platform.machine()
+    return f"{names[0]} ({'with AMX' if ' amx_tile' in text else 'no AMX'})"
+
+
 def environment() -> str:
     return (
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}"
+        f"CPU {cpu()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{platform.machine()}, Python {platform.python_version()}"
     )
 
 

@@ -134,20 +134,6 @@ def eager_gib(n: int) -> float:
     return 3 * HEADS * n * n * 4 / 2**30
 
 
-def cpu_model() -> str:
-    """The CPU's model name, and whether it has AMX (bfloat16 matrix tiles)."""
-    info = Path("/proc/cpuinfo")
-    if info.exists():
-        text = info.read_text()
-        amx = "with AMX" if " amx_tile" in text else "no AMX"
-        for line in text.splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({amx})"
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def measure(args: argparse.Namespace) -> list[dict]:
     rows = []
     for kind in progress(MODELS, desc="models", unit="model"):
@@ -190,7 +176,7 @@ def markdown(rows: list[dict], args: argparse.Namespace, load: float) -> str:
         "part no attention implementation can remove; above floor = (attnkit - floor) / (sdpa - "
         "floor), the share of sdpa's attention memory that attnkit's attention needs.",
         "",
-        f"CPU: {cpu_model()}; {environment()}; 1-minute load average {load:.1f} at the start, "
+        f"{environment()}; 1-minute load average {load:.1f} at the start, "
         f"at most {max(row['load'] for row in rows):.1f} after a cell. Command: "
         "`python benchmarks/hf_models.py`.",
         "",
