@@ -166,8 +166,9 @@ def test_auto_leaves_out_routes_over_the_memory_budget(only_test_costs) -> None:
     assert "attnkit.backends.memory_budget(bytes)" in message
 
 
-def test_auto_remembers_rankings_of_tensor_calls(only_test_costs) -> None:
-    """A decoding step repeats the same call: its ranking is weighed once per signature."""
+def test_auto_remembers_rankings_per_signature(only_test_costs) -> None:
+    """A decoding step repeats the same call: its ranking is weighed once per signature (with
+    the identity of its mask and bias functions)."""
     log: list[str] = []
     _recording("test.a", log, seconds=0.2)
     _recording("test.b", log, seconds=0.1, materialised=10)
@@ -181,9 +182,12 @@ def test_auto_remembers_rankings_of_tensor_calls(only_test_costs) -> None:
     assert log.count("cost test.b") == 3  # each new signature is weighed afresh
     _recording("test.c", log, seconds=0.01)  # registering forgets every ranking
     assert select_backend("auto", make_call(q, k, v)).name == "test.c"
-    for _ in range(2):
+    for _ in range(2):  # the same mask function: weighed once
         select_backend("auto", make_call(q, k, v, _every))
-    assert log.count("cost test.c") == 3  # calls with mask or bias functions: weighed each time
+    assert log.count("cost test.c") == 2
+    for _ in range(2):  # a new function each call: weighed each time
+        select_backend("auto", make_call(q, k, v, lambda b, h, i, j: _every(b, h, i, j)))
+    assert log.count("cost test.c") == 4
 
 
 def _every(b, h, i, j):

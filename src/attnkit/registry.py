@@ -23,6 +23,7 @@ call or the module names (``with use("math"): model(x)`` to read weights off any
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -195,8 +196,8 @@ def register_cost(name: str, cost: CostFn | None) -> None:
     """Give backend ``name`` a cost model, so auto weighs it (``None``: auto leaves it out).
 
     ``cost(call)`` is called only for calls the backend can serve (its ``why_not`` is None).
-    For calls without mask or bias functions auto remembers its ranking per call signature
-    (dtypes, shapes, flags, the budget), so a cost must depend on nothing else.
+    Auto remembers its ranking per call signature (dtypes, shapes, flags, the budget and which
+    mask and bias functions), so a cost must depend on nothing else.
     """
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
@@ -377,17 +378,26 @@ def weigh(call: AttentionCall) -> list[Verdict]:
     return fits + over + refused
 
 
-# Rankings of calls without mask or bias functions, by signature: a decoding step calls
-# attention once per layer per token with the same shapes, and weighing every candidate each
-# time would cost more than torch's kernel does on such small inputs.
+# Rankings by call signature: a decoding step calls attention once per layer per token with
+# the same shapes, and weighing every candidate each time would cost more than torch's kernel
+# does on such small inputs; a call with mask or bias functions costs milliseconds to weigh
+# (probes, the tiles visited), so the same functions on the same shapes are weighed once.
 _RANKED: dict[tuple, tuple[str, ...]] = {}
 _RANKED_MAX = 1024
 
 
 def _signature(call: AttentionCall) -> tuple | None:
     mask, bias = call.mask, call.bias
+    fns: tuple = ()
     if callable(mask) or callable(bias):
-        return None  # functions and their structure are weighed afresh (calls with n x n work)
+        # A function is known by a weak reference (equal while it lives, never to a later one
+        # at the same address): the same mask or bias function weighs the same.
+        try:
+            fns = tuple(weakref.ref(f) if callable(f) else None for f in (mask, bias))
+        except TypeError:
+            return None  # not weakly referable: weighed afresh each call
+        mask = mask if not callable(mask) else None
+        bias = bias if not callable(bias) else None
     q, k, v = call.query, call.key, call.value
     # Written out (not call.needs_grad) and flags packed in one int: this runs on every call.
     grad = torch.is_grad_enabled() and (
@@ -417,6 +427,7 @@ def _signature(call: AttentionCall) -> tuple | None:
         None if bias is None else (bias.shape, bias.dtype),
         flags,
         _DEFAULT_BUDGET[0] if budget is None else budget,
+        *fns,
     )
 
 
