@@ -25,6 +25,8 @@ Dense routes whose n x n tensors would exceed ``--max-dense-gb`` are skipped and
 
     python benchmarks/flex.py                 # the full table (hours on 2 cores)
     python benchmarks/flex.py --quick         # n = 512, 1024, float32, 1 round: a smoke run
+    python benchmarks/flex.py --n 4096 8192 --routes flex --compiled --modes fwd --no-memory
+                                              # forward only against torch's compiled flex
 """
 
 from __future__ import annotations
@@ -52,10 +54,10 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 # Worker side: runs inside a fresh subprocess.
 
 
-def scenario(name: str, n: int, dtype=None, device: str = "cpu") -> tuple:
+def scenario(name: str, n: int, dtype=None, device: str = "cpu", grad: bool = True) -> tuple:
     """``(mask_mod, score_mod or None, leaves)`` for ``name`` at length ``n``: functions written
     for torch's flex API; ``leaves`` are captured tensors that require grad (``dtype``, float32
-    by default)."""
+    by default; none with ``grad=False``, for inference)."""
     import torch
 
     def causal(b, h, q_idx, kv_idx):
@@ -83,12 +85,12 @@ def scenario(name: str, n: int, dtype=None, device: str = "cpu") -> tuple:
         return window, alibi, ()
     if name == "learned table":
         table = 0.1 * torch.randn(HEADS, n, generator=torch.Generator().manual_seed(1))
-        table = table.to(device, dtype or torch.float32).requires_grad_()
+        table = table.to(device, dtype or torch.float32).requires_grad_(grad)
 
         def learned(score, b, h, q_idx, kv_idx):
             return score + table[h, q_idx - kv_idx]  # causal: q_idx - kv_idx >= 0 where kept
 
-        return causal, learned, (table,)
+        return causal, learned, (table,) if grad else ()
     raise ValueError(f"unknown scenario {name!r}")
 
 
@@ -122,16 +124,23 @@ def make_call(route: str, name: str, q, k, v):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (1, h, n, n) bias
 
         return dense, leaves, 0.0
-    if route == "torch compiled":
+    if route == "torch compiled":  # inference only: torch's CPU flex refuses inputs needing grad
         import torch.nn.attention.flex_attention as tf
 
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        mask_mod, score_mod, _ = scenario(name, n, dtype, grad=False)
+        q, k, v = (t.detach() for t in (q, k, v))
         block_mask = tf.create_block_mask(mask_mod, None, None, n, n, "cpu", BLOCK_SIZE=BLOCK)
         compiled = torch.compile(tf.flex_attention)
         start = time.perf_counter()
-        with torch.no_grad():
-            compiled(q, k, v, score_mod, block_mask)
+        try:
+            with torch.no_grad():
+                compiled(q, k, v, score_mod, block_mask)
+        except Exception as exc:  # reported in the table, one line
+            first = (str(exc).strip().splitlines() or [""])[0][:160]
+            return None, (), f"{type(exc).__name__}: {first}"
         build = time.perf_counter() - start
-        return (lambda: compiled(q, k, v, score_mod, block_mask)), leaves, build
+        return (lambda: compiled(q, k, v, score_mod, block_mask)), (), build
     raise ValueError(f"unknown route {route!r}")
 
 
@@ -173,6 +182,8 @@ def worker(job: dict) -> dict:
         _step(fn, job["mode"], [*qkv, *leaves])
         return {"extra_mb": (_rss_kb("VmHWM") - before) / 1024}
     calls = {r: make_call(r, job["scenario"], *qkv) for r in job["routes"]}
+    failed = {r: err for r, (fn, _, err) in calls.items() if fn is None}
+    calls = {r: c for r, c in calls.items() if r not in failed}
     times: dict[str, list[float]] = {f"{r}|{m}": [] for r in calls for m in job["modes"]}
     for rnd in range(1 + job["repeats"]):  # round 0 warms up
         for route, (fn, leaves, _) in calls.items():
@@ -185,6 +196,7 @@ def worker(job: dict) -> dict:
                     times[f"{route}|{mode}"].append(time.perf_counter() - start)
     result = {key: statistics.median(ts) for key, ts in times.items() if ts}
     result.update({f"{r}|build": build for r, (_, _, build) in calls.items()})
+    result.update({f"{r}|error": err for r, err in failed.items()})
     return result
 
 
@@ -228,10 +240,34 @@ def table(rows: list[dict], modes: list[str]) -> str:
             if dense["mem"].get("fwdbwd") and r["mem"].get("fwdbwd") is not None:
                 ratio = f"{r['mem']['fwdbwd'] / dense['mem']['fwdbwd']:.3f}"
         if r.get("skipped"):
-            cells = ["skipped (n x n too large)"] + [""] * (2 * len(modes) - 1)
+            cells = [f"not run (needs {r['needs_gb']:.0f} GiB)"] + [""] * (2 * len(modes) - 1)
         scen, n, dtype = r["key"]
         out.append(f"| {scen} | {n} | {dtype} | {r['route']} | " + " | ".join(cells)
                    + f" | {speed} | {ratio} |")  # fmt: skip
+    return "\n".join(out)
+
+
+def compiled_table(rows: list[dict]) -> str:
+    """Forward only, no grad: attnkit's flex against ``torch.compile(flex_attention)``, with the
+    first compile apart (a failed compile is one line in its row)."""
+    out = [
+        "| scenario | n | dtype | torch first compile s | attnkit flex fwd s "
+        "| torch compiled fwd s | compiled / attnkit time |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["route"] != "torch compiled":
+            continue
+        ours = next(d for d in rows if d["route"] == "flex" and d["key"] == r["key"])
+        flex_s = ours["times"].get("fwd", float("nan"))
+        scen, n, dtype = r["key"]
+        if r.get("error"):
+            cells = ["failed", f"{flex_s:.3f}", r["error"].replace("|", "/"), ""]
+        else:
+            theirs = r["times"]["fwd"]
+            cells = [f"{r['build_s']:.1f}", f"{flex_s:.3f}", f"{theirs:.3f}",
+                     f"{theirs / flex_s:.2f}"]  # fmt: skip
+        out.append(f"| {scen} | {n} | {dtype} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -245,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compiled", action="store_true", help="add torch's compiled forward")
+    parser.add_argument("--routes", nargs="*", default=ROUTES, choices=ROUTES,
+                        help="attnkit's and the dense route (default both)")  # fmt: skip
+    parser.add_argument("--modes", nargs="*", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     parser.add_argument("--no-memory", action="store_true", help="skip the memory runs")
     parser.add_argument("--max-dense-gb", type=float, default=6.0)
     parser.add_argument("--timeout", type=float, default=3600)
@@ -255,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.n, args.dtypes, args.repeats = [512, 1024], ["float32"], 1
-    modes = ["fwd", "fwdbwd"]
-    routes = ROUTES + (["torch compiled"] if args.compiled else [])
+    modes = args.modes
+    routes = args.routes + (["torch compiled"] if args.compiled else [])
     rows: list[dict] = []
     for scen in progress(args.scenarios, desc="scenarios", unit="scenario"):
         for n in args.n:
@@ -272,12 +311,15 @@ def main(argv: list[str] | None = None) -> int:
                 times = run_worker(job, args.timeout)
                 for route in routes:
                     row = {"key": key, "route": route, "skipped": route not in live,
-                           "times": {}, "mem": {}}  # fmt: skip
-                    if route in live:
+                           "times": {}, "mem": {},
+                           "needs_gb": dense_gb(n, dtype) * 1e9 / 2**30}  # fmt: skip
+                    row["error"] = times.get(f"{route}|error")
+                    if route in live and not row["error"]:
                         row["times"] = {m: times[f"{route}|{m}"] for m in modes
                                         if f"{route}|{m}" in times}  # fmt: skip
                         row["build_s"] = times[f"{route}|build"]
-                        for mode in [] if args.no_memory else row["times"]:
+                        measured = not args.no_memory and route != "torch compiled"
+                        for mode in row["times"] if measured else []:
                             mem = {**job, "kind": "memory", "route": route, "mode": mode}
                             row["mem"][mode] = run_worker(mem, args.timeout)["extra_mb"]
                     rows.append(row)
@@ -293,8 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         "## FlexAttention on CPU (`benchmarks/flex.py`)\n\n"
         f"`python benchmarks/flex.py {' '.join(argv or sys.argv[1:])}`; {environment()}; "
         f"b = 1, h = {HEADS}, d = {DIM}, block {BLOCK}. Build times apart (attnkit's "
-        f"create_block_mask; torch's first compile): {builds}.\n\n" + table(rows, modes)
+        f"create_block_mask; torch's first compile): {builds}.\n\n"
+        + table([r for r in rows if r["route"] != "torch compiled"], modes)
     )
+    if args.compiled:
+        md += "\n\n" + compiled_table(rows)
     print(md)
     if args.write:
         print(f"wrote {write_section('flex', md)}", file=sys.stderr)

@@ -44,3 +44,44 @@ def test_table_reports_speed_up_and_memory_ratio() -> None:
     md = bench.table(rows, ["fwd", "fwdbwd"])
     assert "| document | 4096 | float32 | flex | 1.000 | 2.000 | 10 | 20 | 2.5x | 0.050 |" in md
     assert bench.dense_gb(16384, "float32") > 6.0 > bench.dense_gb(4096, "float32")
+
+
+def test_skipped_dense_cell_says_what_it_needs() -> None:
+    key = ("document", 16384, "bfloat16")
+    rows = [
+        {"key": key, "route": "flex", "times": {"fwd": 1.0, "fwdbwd": 2.0},
+         "mem": {"fwd": 10.0, "fwdbwd": 20.0}},
+        {"key": key, "route": "dense", "times": {}, "mem": {}, "skipped": True,
+         "needs_gb": bench.dense_gb(16384, "bfloat16") * 1e9 / 2**30},
+    ]  # fmt: skip
+    md = bench.table(rows, ["fwd", "fwdbwd"])
+    assert "| document | 16384 | bfloat16 | dense | not run (needs 20 GiB) |" in md
+
+
+def test_compiled_table_ratio_and_failure_line() -> None:
+    """The compiled comparison divides torch's compiled forward by attnkit's, and a case that
+    failed to compile keeps its row with the error on one line."""
+    a, b = ("document", 4096, "float32"), ("learned table", 4096, "bfloat16")
+    rows = [
+        {"key": a, "route": "flex", "times": {"fwd": 0.5}, "mem": {}},
+        {"key": a, "route": "torch compiled", "times": {"fwd": 0.25}, "mem": {}, "build_s": 7.0},
+        {"key": b, "route": "flex", "times": {"fwd": 1.0}, "mem": {}},
+        {"key": b, "route": "torch compiled", "times": {}, "mem": {},
+         "error": "BackendCompilerFailed: a | b"},
+    ]  # fmt: skip
+    md = bench.compiled_table(rows).splitlines()
+    assert "| document | 4096 | float32 | 7.0 | 0.500 | 0.250 | 0.50 |" in md
+    assert (
+        "| learned table | 4096 | bfloat16 | failed | 1.000 | BackendCompilerFailed: a / b |  |"
+        in md
+    )
+    assert len(md) == 4
+
+
+def test_inference_scenarios_capture_nothing_that_needs_grad() -> None:
+    """torch's CPU flex refuses tensors that require grad, so its route gets none."""
+    _, score_mod, leaves = bench.scenario("learned table", 64, grad=False)
+    assert leaves == ()
+    idx = torch.arange(4)
+    assert not score_mod(torch.zeros(4), 0, 0, idx, idx).requires_grad
+    assert bench.scenario("learned table", 64)[2][0].requires_grad
