@@ -227,8 +227,8 @@ def render(rows: list[dict], command: str, elapsed: float, repeats: int) -> str:
     lines = [
         "## auto: the chosen route against the fastest",
         "",
-        f"Command: {command} ({elapsed / 60:.1f} min). {environment()}; CPU: AMD EPYC "
-        "(AVX-512 with avx512_bf16, no AMX). h=8, d=64; b = 4 up to n = 1024, 2 at 2048, 1 "
+        f"Command: {command} ({elapsed / 60:.1f} min). {environment()}; "
+        "h=8, d=64; b = 4 up to n = 1024, 2 at 2048, 1 "
         f"from 4096. Each cell is a fresh process that interleaves, round by round, every "
         f'backend able to serve the call and `backend="auto"`; times are medians of {repeats} '
         "rounds. The machine is shared with other work, so single cells move by 5-20 % "
