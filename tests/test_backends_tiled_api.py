@@ -211,11 +211,8 @@ def test_why_not_says_why_in_a_sentence() -> None:
     with torch.no_grad():  # without autograd a learnable bias function is only a function
         slope = torch.tensor(0.5, requires_grad=True)
         assert why_not(make_call(q, k, v, bias=lambda b, h, i, j: slope * (j - i))) is None
-    # "tiled-functions" is auto's route for calls with a function; others are told so.
-    with pytest.raises(BackendUnavailable, match="auto's route for calls with a mask or bias"):
-        scaled_dot_product_attention(q, k, v, backend="tiled-functions")
     ref = scaled_dot_product_attention(q, k, v, masks.causal_fn(0), backend="math")
-    out = scaled_dot_product_attention(q, k, v, masks.causal_fn(0), backend="tiled-functions")
+    out = scaled_dot_product_attention(q, k, v, masks.causal_fn(0), backend="tiled")
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
 
 

@@ -91,7 +91,7 @@ def test_register_get_replace_and_list(fresh_registry) -> None:
     assert first.why_not(make_call(*_qkv())) is None  # no why_not: serves every call
     names = available_backends()
     assert "test.first" in names and names == sorted(names)
-    assert {"math", "torch", "tiled", "tiled-functions", "sparse", "chunked"} <= set(names)
+    assert {"math", "torch", "tiled", "sparse", "chunked"} <= set(names)
 
     replacement = register_backend("test.first", run, lambda call: "replaced")
     assert get_backend("test.first") is replacement is not first

@@ -300,21 +300,9 @@ def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     return run_call(call), None
 
 
-def _why_not_functions(call: AttentionCall) -> str | None:
-    if not (callable(call.mask) or callable(call.bias)):
-        return "auto's route for calls with a mask or bias function; this call has none"
-    return why_not(call)
-
-
 register_backend(
     "tiled",
     run,
     why_not,
     description="FlashAttention in PyTorch: online softmax over tiles, recomputing backward",
-)
-register_backend(
-    "tiled-functions",
-    run,
-    _why_not_functions,
-    description="the tiled backend, for auto: calls with mask or bias functions (see AUTO_ORDER)",
 )
