@@ -50,8 +50,9 @@ EVAL_SHAPE = (1, 8, 1536, 1536)
 
 def measure(job: dict) -> dict:
     """Worker: time every config in both passes for one dtype; return times and terms."""
+    import _report
     import torch
-    from auto import _step, call_kwargs
+    from auto import call_kwargs
 
     import attnkit  # noqa: F401  (registers the backends and their costs)
     from attnkit import masks, scaled_dot_product_attention
@@ -102,7 +103,7 @@ def measure(job: dict) -> dict:
         for name, (fn, inputs) in runs.items():
             for mode in ("fwd",) if name.startswith("eval") else ("fwd", "fwdbwd"):
                 start = time.perf_counter()
-                _step(fn, mode, inputs)
+                _report.grad_step(fn, mode, inputs)
                 if r >= job["warmup"]:
                     times.setdefault(f"{name}|{mode}", []).append(time.perf_counter() - start)
     out["times"] = {key: statistics.median(ts) for key, ts in times.items()}

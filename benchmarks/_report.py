@@ -9,9 +9,13 @@ measured (``benchmarks/charts.py`` redraws them from the tables already recorded
 
 from __future__ import annotations
 
+import json
+import os
 import platform
 import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -43,6 +47,40 @@ def environment() -> str:
         f"CPU {cpu()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{platform.machine()}, Python {platform.python_version()}"
     )
+
+
+def status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``: reset the peak first with
+    ``echo 5 > /proc/self/clear_refs``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def grad_step(fn: Callable[[], torch.Tensor], mode: str, tensors: Iterable[torch.Tensor]) -> None:
+    """One timed step: ``fn()`` without autograd (``mode="fwd"``), or ``fn()`` and the
+    backward of its float32 sum (``"fwdbwd"``), the gradients of ``tensors`` then dropped."""
+    if mode == "fwd":
+        with torch.no_grad():
+            fn()
+        return
+    fn().float().sum().backward()
+    for t in tensors:
+        t.grad = None
+
+
+def run_worker(script: str, job: dict, timeout: float) -> dict:
+    """Run ``script --worker JOB`` in a fresh interpreter on this checkout's ``src`` and return
+    the JSON object its last line of output holds."""
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(job)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {job} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:

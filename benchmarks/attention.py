@@ -43,16 +43,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
+import _report
+
 from attnkit._progress import progress  # a bar when stderr is a terminal
 
 HEADS, DIM, WINDOW = 8, 64, 256
@@ -211,14 +211,6 @@ def _step(fn, mode: str, inputs) -> None:
             t.grad = None
 
 
-def _rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def worker(job: dict) -> dict:
     import torch
 
@@ -235,7 +227,7 @@ def worker(job: dict) -> dict:
         _step(make_call(job["method"], *tiny), job["mode"], tiny)
         del tiny
         fn = make_call(job["method"], q, k, v)
-        before = _rss_kb("VmRSS")
+        before = _report.status_kib("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
         if job["mode"] == "fwd":
@@ -243,7 +235,7 @@ def worker(job: dict) -> dict:
                 _step(fn, "fwd", inputs)
         else:
             _step(fn, "fwdbwd", inputs)
-        return {"extra_mb": (_rss_kb("VmHWM") - before) / 1024}
+        return {"extra_mb": (_report.status_kib("VmHWM") - before) / 1024}
     # Timing: interleave all methods round by round; a matmul ceiling each round.
     a = torch.randn(2048, 2048)
     fns = {m: make_call(m, q, k, v) for m in job["methods"]}
@@ -271,14 +263,7 @@ def worker(job: dict) -> dict:
 
 
 def run_worker(job: dict, timeout: float) -> dict:
-    env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker {job} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _report.run_worker(__file__, job, timeout)
 
 
 def fits(method: str, b: int, n: int, max_dense_gb: float) -> bool:

@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, attention
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
+
+import _report
 
 HEADS, DIM, WINDOW, DOCUMENTS = 8, 64, 256, 8
 SIZES = [512, 1024, 2048, 4096, 8192]
@@ -94,26 +94,6 @@ def call_kwargs(kind: str, n: int) -> dict:
 # Worker side: one cell in a fresh subprocess.
 
 
-def _rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _step(fn, mode: str, inputs) -> None:
-    import torch
-
-    if mode == "fwd":
-        with torch.no_grad():
-            fn()
-        return
-    fn().float().sum().backward()
-    for t in inputs:
-        t.grad = None
-
-
 def cell(job: dict) -> dict:
     import torch
 
@@ -157,31 +137,24 @@ def cell(job: dict) -> dict:
         for name, fn in fns.items():
             for mode in job["modes"]:
                 start = time.perf_counter()
-                _step(fn, mode, inputs)
+                _report.grad_step(fn, mode, inputs)
                 if r >= job["warmup"]:
                     times[f"{name}|{mode}"].append(time.perf_counter() - start)
     result["times"] = {key: statistics.median(ts) for key, ts in times.items()}
     if Path("/proc/self/clear_refs").exists():
         for mode in job["modes"]:
-            before = _rss_kb("VmRSS")
+            before = _report.status_kib("VmRSS")
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
-            _step(fns["auto"], mode, inputs)
-            result["auto"][mode]["peak_mb"] = (_rss_kb("VmHWM") - before) / 1024
+            _report.grad_step(fns["auto"], mode, inputs)
+            result["auto"][mode]["peak_mb"] = (_report.status_kib("VmHWM") - before) / 1024
     registry_budget = registry.get_memory_budget()
     result["budget"] = registry_budget
     return result
 
 
 def run_worker(job: dict, timeout: float) -> dict:
-    env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker {job} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _report.run_worker(__file__, job, timeout)
 
 
 def summarise(job: dict, result: dict) -> list[dict]:

@@ -34,15 +34,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
+import _report
+
 from attnkit._progress import progress  # a bar when stderr is a terminal
 
 HEADS, DIM, WINDOW, BLOCK = 8, 64, 256, 128
@@ -144,26 +144,6 @@ def make_call(route: str, name: str, q, k, v):
     raise ValueError(f"unknown route {route!r}")
 
 
-def _step(fn, mode: str, tensors) -> None:
-    import torch
-
-    if mode == "fwd":
-        with torch.no_grad():
-            fn()
-        return
-    fn().float().sum().backward()
-    for t in tensors:
-        t.grad = None
-
-
-def _rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def worker(job: dict) -> dict:
     import torch
 
@@ -174,13 +154,13 @@ def worker(job: dict) -> dict:
     if job["kind"] == "memory":
         tiny = [torch.randn(1, HEADS, 256, DIM, dtype=dtype, requires_grad=True) for _ in "qkv"]
         fn, leaves, _ = make_call(job["route"], job["scenario"], *tiny)
-        _step(fn, job["mode"], [*tiny, *leaves])  # page in the code first
+        _report.grad_step(fn, job["mode"], [*tiny, *leaves])  # page in the code first
         fn, leaves, _ = make_call(job["route"], job["scenario"], *qkv)
-        before = _rss_kb("VmRSS")
+        before = _report.status_kib("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
-        _step(fn, job["mode"], [*qkv, *leaves])
-        return {"extra_mb": (_rss_kb("VmHWM") - before) / 1024}
+        _report.grad_step(fn, job["mode"], [*qkv, *leaves])
+        return {"extra_mb": (_report.status_kib("VmHWM") - before) / 1024}
     calls = {r: make_call(r, job["scenario"], *qkv) for r in job["routes"]}
     failed = {r: err for r, (fn, _, err) in calls.items() if fn is None}
     calls = {r: c for r, c in calls.items() if r not in failed}
@@ -191,7 +171,7 @@ def worker(job: dict) -> dict:
                 if mode == "fwdbwd" and route == "torch compiled":
                     continue  # torch's CPU flex has no backward
                 start = time.perf_counter()
-                _step(fn, mode, [*qkv, *leaves])
+                _report.grad_step(fn, mode, [*qkv, *leaves])
                 if rnd:
                     times[f"{route}|{mode}"].append(time.perf_counter() - start)
     result = {key: statistics.median(ts) for key, ts in times.items() if ts}
@@ -204,14 +184,7 @@ def worker(job: dict) -> dict:
 
 
 def run_worker(job: dict, timeout: float) -> dict:
-    env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker {job} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _report.run_worker(__file__, job, timeout)
 
 
 def dense_gb(n: int, dtype: str) -> float:

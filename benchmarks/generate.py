@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
-from _report import CHARTS, environment, write_chart, write_section
+from _report import CHARTS, environment, status_kib, write_chart, write_section
 
 from attnkit._progress import progress  # a bar when stderr is a terminal
 
@@ -165,13 +165,6 @@ def speed(ours, hf, lengths, rounds: int) -> list[dict[str, object]]:
     return rows
 
 
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def memory_child(library: str, ids: list[int]) -> None:
     """In a fresh process: load one library's model, run one generation, print JSON."""
     torch.set_num_threads(2)
@@ -189,11 +182,11 @@ def memory_child(library: str, ids: list[int]) -> None:
         ).eval()
         run = hf_runner(hf, ids)
     load_s = time.perf_counter() - start
-    loaded = _rss_kib("VmRSS")
+    loaded = status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
     for step in run:
         step()
-    peak = _rss_kib("VmHWM")
+    peak = status_kib("VmHWM")
     extra = (peak - loaded) / 1024
     print(json.dumps({"load_s": load_s, "rss_mb": loaded / 1024, "extra_mb": extra}))
 

@@ -92,29 +92,23 @@ def _register_floor() -> None:
     AttentionMaskInterface.register("floor", layer_mask)
 
 
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def worker(kind: str, n: int, implementation: str) -> dict[str, float]:
     """One forward of ``kind`` on ``n`` tokens: seconds and peak extra MiB."""
     import torch
+    from _report import status_kib
 
     model = build(kind)
     model.set_attn_implementation(implementation)
     ids = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(n))
     with torch.no_grad():
         model(input_ids=ids[:, :128])  # first-call costs (rotary tables, dispatch) out of the way
-        before = _status_kb("VmRSS")
+        before = status_kib("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
         start, cpu_start = time.perf_counter(), time.process_time()
         out = model(input_ids=ids).last_hidden_state
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     assert out.shape == (1, n, HIDDEN) and bool(torch.isfinite(out).all())
-    peak = (_status_kb("VmHWM") - before) / 1024
+    peak = (status_kib("VmHWM") - before) / 1024
     return {"seconds": seconds, "cpu_seconds": cpu, "peak_mib": peak}
 
 

@@ -39,6 +39,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import status_kib
+
 from attnkit._progress import progress  # a bar when stderr is a terminal
 
 
@@ -48,24 +50,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not found in /proc/self/status")
-
-
 def _measured(run) -> tuple[float, float]:
     """(seconds, peak RSS rise in MiB) of ``run()``."""
     import gc
 
     gc.collect()
-    before = _status_kb("VmRSS")
+    before = status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
     start = time.perf_counter()
     run()
     seconds = time.perf_counter() - start
-    return seconds, (_status_kb("VmHWM") - before) / 1024
+    return seconds, (status_kib("VmHWM") - before) / 1024
 
 
 def _inputs(n: int, args: argparse.Namespace, seed: int) -> list[torch.Tensor]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import environment, write_section
+from _report import cpu, environment, write_section
 
 from attnkit._progress import progress
 
@@ -77,23 +76,13 @@ def report(medians: dict[str, float], rounds: int) -> str:
         lines.append(f"| `{name}` | {seconds:.3f} | {seconds / base:.2f}x |")
     lines += [
         "",
-        f"Fresh processes, medians of {rounds} interleaved rounds; CPU {cpu_model()}, "
+        f"Fresh processes, medians of {rounds} interleaved rounds; CPU {cpu()}, "
         f"load average {os.getloadavg()[0]:.1f} at the end (a shared machine). "
         "`python benchmarks/startup.py --write`.",
         "",
         environment(),
     ]
     return "\n".join(lines)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> int:
