@@ -90,3 +90,14 @@ def test_relative_bias_function_is_evaluated_once_per_pass() -> None:
     for a, b_ in zip(*results, strict=True):
         torch.testing.assert_close(b_, a, atol=1e-12, rtol=1e-10)
     assert not structure_of(counted).relative and not structure_of(None).relative
+
+
+@pytest.mark.parametrize(("ni", "nj"), [(0, 0), (0, 5), (5, 0)])
+def test_a_call_without_queries_or_keys_has_no_offsets(ni: int, nj: int) -> None:
+    fn = relative(_alibi)
+    table = Relative(fn, (2, 2, ni, nj), 0, 0, torch.float64, torch.device("cpu"))
+    assert table.length == 0
+    q = torch.randn(1, 2, ni, 4, dtype=torch.float64)
+    k = v = torch.randn(1, 2, nj, 4, dtype=torch.float64)
+    out = tiled_attention(q, k, v, bias_fn=fn)
+    assert out.shape == (1, 2, ni, 4) and not out.any()  # no key: zeros, as the reference gives

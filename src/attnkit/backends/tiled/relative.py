@@ -54,7 +54,8 @@ class Relative:
     ) -> None:
         h, self.hk, self.ni, nj = shape
         self.g = h // self.hk
-        self.length = self.ni + nj - 1  # offsets x_min .. x_min + length - 1
+        # offsets x_min .. x_min + length - 1; none when there is no query or no key
+        self.length = self.ni + nj - 1 if self.ni and nj else 0
         x_min = k_offset - (q_offset + self.ni - 1)
         x = torch.arange(x_min, x_min + self.length, device=device).view(1, 1, 1, -1)
         zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
