@@ -274,3 +274,16 @@ def test_negligible_heads_of_a_relative_bias_are_left_out_of_the_pairs() -> None
     assert got.pairs == want < n * n
     bounded = masks.relative(lambda b, h, i, j: -((i - j).abs() % 7).float())  # never far below
     assert cost.terms("tiled", make_call(q, q, q, bias=bounded)).pairs == n * n
+
+
+def test_auto_weighs_a_call_without_queries_or_keys() -> None:
+    """An empty call with a relative bias function: no offsets, no pairs, and auto's choice
+    gives what the reference gives."""
+    from attnkit.positional import alibi_fn
+
+    for ni, nj in [(0, 0), (0, 3), (3, 0)]:
+        q = torch.randn(1, 2, ni, 4)
+        k = v = torch.randn(1, 2, nj, 4)
+        ref = scaled_dot_product_attention(q, k, v, bias=alibi_fn(2), backend="math")
+        out = scaled_dot_product_attention(q, k, v, bias=alibi_fn(2))
+        torch.testing.assert_close(out, ref)

@@ -466,7 +466,8 @@ def tiled_terms(work: _Work, *, gather: bool = False, block: int | None = None) 
         ops += _fn(work, call.mask).ops * visit.evaluated / (work.i * work.j)
     if callable(call.bias):
         if structure_of(call.bias).relative:
-            ops += _fn(work, call.bias, (1, work.h, 1, work.i + work.j - 1)).ops
+            offsets = work.i + work.j - 1 if work.i and work.j else 0  # as tiled's table
+            ops += _fn(work, call.bias, (1, work.h, 1, offsets)).ops
         else:
             ops += _fn(work, call.bias).ops * visit.pairs / max(1, work.i * work.j)
     if work.grad:
@@ -496,6 +497,8 @@ def _negligible_pairs(work: _Work, visit: _Visit, bq: int, bk: int) -> float:
     with a mask are never left out; the heads kept are a contiguous range, as there."""
     call = work.call
     i, j = work.i, work.j
+    if i == 0 or j == 0:
+        return 0.0  # no query or no key: no pairs to leave out
     spans = visit.spans
     if spans is None:
         spans = [
