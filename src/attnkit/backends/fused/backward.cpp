@@ -3,7 +3,7 @@
 // the loop order of FlashAttention-2, Dao 2023, Algorithm 2: key tiles outside, queries inside):
 //
 //     D = rowsum(dO * O)                      (given, ``delta``)
-//     p = exp2(s - lse2);  dV_t += p^T dO;  dS = p * (dO v_t^T - D);  dQ += dS k_t;  dK_t += dS^T q
+//     p = exp2((s - m) - log2 l);  dV_t += p^T dO;  dS = p * (dO v_t^T - D);  dQ += dS k_t;  dK_t += dS^T q
 //
 // Everything runs transposed (rows = keys, columns = queries: s^T = k_t q^T), so that each of
 // the five matmuls reads its operands as stored, without a transposed copy of a tile:
@@ -21,7 +21,7 @@ namespace {
 template <typename scalar_t, typename acc_t>
 void backward_kernel(const Spec<acc_t>& sp, const Tensor& k, const Tensor& v, const Tensor& k_t,
                      const Tensor& q_t, const Tensor& do_t, const Tensor& do_rows,
-                     const Tensor& q_rows, const Tensor& lse2, const Tensor& delta,
+                     const Tensor& q_rows, const Tensor& shift, const Tensor& delta,
                      const Tensor& dq_t, const Tensor& dk, const Tensor& dv, const Opt& dbias,
                      bool nan_rows) {
   using Vec = at::vec::Vectorized<acc_t>;
@@ -52,7 +52,9 @@ void backward_kernel(const Spec<acc_t>& sp, const Tensor& k, const Tensor& v, co
       const scalar_t* dot_head = do_t.data_ptr<scalar_t>() + bh * do_t.stride(1);
       const scalar_t* do_head = do_rows.data_ptr<scalar_t>() + bh * do_rows.stride(1);
       const scalar_t* qr_head = q_rows.data_ptr<scalar_t>() + bh * q_rows.stride(1);
-      const acc_t* lse2_head = lse2.data_ptr<acc_t>() + bh * sp.ni;
+      // the forward's row maximum m and log2 l, apart (forward.cpp ``finish``)
+      const acc_t* top_head = shift.data_ptr<acc_t>() + bh * sp.ni;
+      const acc_t* log_l_head = top_head + sp.nb * sp.h * sp.ni;
       const acc_t* delta_head = delta.data_ptr<acc_t>() + bh * sp.ni;
       acc_t* dqt_head = dq_t.data_ptr<acc_t>() + bh * dq_t.stride(1);
       acc_t* dk_head = dk.data_ptr<acc_t>() + bh * dk.stride(1);
@@ -76,11 +78,13 @@ void backward_kernel(const Spec<acc_t>& sp, const Tensor& k, const Tensor& v, co
           if (skipping) {  // skipping.py ``needed`` against the log-sum-exp
             acc_t top = relative_top(sp, h, i0, i1, j0, j1, true) * static_cast<acc_t>(LOG2E);
             acc_t bound = top + *std::max_element(qn + i0, qn + i1) * k_top + 1;
-            if (bound < *std::min_element(lse2_head + i0, lse2_head + i1) - sp.negligible) {
+            acc_t lse2 = std::numeric_limits<acc_t>::infinity();
+            for (int64_t i = i0; i < i1; i++) lse2 = std::min(lse2, top_head[i] + log_l_head[i]);
+            if (bound < lse2 - sp.negligible) {
               continue;
             }
           }
-          // s^T = k_t q^T; p^T = exp2(s^T - lse2) (masked: 0)
+          // s^T = k_t q^T; p^T = exp2((s^T - m) - log2 l) (masked: 0)
           matmul(rows, cols, d_p, k_head + j0 * d_p, d_p, qt_head + i0 * step, ld_qt, s.data(),
                  cols, false);
           // dP^T = v_t dO^T
@@ -103,9 +107,10 @@ void backward_kernel(const Spec<acc_t>& sp, const Tensor& k, const Tensor& v, co
                                              i0 * sp.mask_si + j * sp.mask_sj
                                        : nullptr;
             logits_row(s_row, cols, sp.scale2, rel, bias, sp.bias_si, mask, sp.mask_si, lo, hi);
-            // p = exp2(s - lse2) (backward.py ``exp2_shifted``); dS = p * (dP - D)
-            at::vec::map2([](Vec x, Vec m) { return (x - m).exp2(); }, s_row, s_row,
-                          lse2_head + i0, cols);
+            // p = exp2(s - lse2) (backward.py ``exp2_shifted``), lse2 = m + log2 l subtracted
+            // a part at a time; dS = p * (dP - D)
+            at::vec::map3([](Vec x, Vec m, Vec log_l) { return ((x - m) - log_l).exp2(); },
+                          s_row, s_row, top_head + i0, log_l_head + i0, cols);
             if (nan_rows) {  // a NaN row must not spread through its blocked positions
               for (int64_t c = 0; c < cols; c++) {
                 if (c < lo || c >= hi || (mask && !mask[c * sp.mask_si])) s_row[c] = 0;
@@ -156,12 +161,12 @@ void backward_kernel(const Spec<acc_t>& sp, const Tensor& k, const Tensor& v, co
 }  // namespace
 
 void backward(const Tensor& k, const Tensor& v, const Tensor& k_t, const Tensor& q_t,
-              const Tensor& do_t, const Tensor& do_rows, const Tensor& q_rows, const Tensor& lse2,
+              const Tensor& do_t, const Tensor& do_rows, const Tensor& q_rows, const Tensor& shift,
               const Tensor& delta, const Tensor& dq_t, const Tensor& dk, const Tensor& dv,
               const Opt& dbias, const Opt& mask, const Opt& bias, const Opt& relative,
               const Opt& layout, const Opt& q_norm, const Opt& k_norm,
               const std::vector<int64_t>& ints, const std::vector<double>& floats) {
-  for (const Tensor* t : {&k, &v, &k_t, &q_t, &do_t, &do_rows, &q_rows, &lse2, &delta, &dq_t,
+  for (const Tensor* t : {&k, &v, &k_t, &q_t, &do_t, &do_rows, &q_rows, &shift, &delta, &dq_t,
                           &dk, &dv}) {
     TORCH_CHECK(t->is_contiguous(), "fused backward: operands must be contiguous");
   }
@@ -170,17 +175,17 @@ void backward(const Tensor& k, const Tensor& v, const Tensor& k_t, const Tensor&
     case at::kFloat:
       backward_kernel<float, float>(
           make_spec<float>(mask, bias, relative, layout, q_norm, k_norm, ints, floats), k, v,
-          k_t, q_t, do_t, do_rows, q_rows, lse2, delta, dq_t, dk, dv, dbias, nan_rows);
+          k_t, q_t, do_t, do_rows, q_rows, shift, delta, dq_t, dk, dv, dbias, nan_rows);
       break;
     case at::kDouble:
       backward_kernel<double, double>(
           make_spec<double>(mask, bias, relative, layout, q_norm, k_norm, ints, floats), k, v,
-          k_t, q_t, do_t, do_rows, q_rows, lse2, delta, dq_t, dk, dv, dbias, nan_rows);
+          k_t, q_t, do_t, do_rows, q_rows, shift, delta, dq_t, dk, dv, dbias, nan_rows);
       break;
     case at::kBFloat16:
       backward_kernel<at::BFloat16, float>(
           make_spec<float>(mask, bias, relative, layout, q_norm, k_norm, ints, floats), k, v,
-          k_t, q_t, do_t, do_rows, q_rows, lse2, delta, dq_t, dk, dv, dbias, nan_rows);
+          k_t, q_t, do_t, do_rows, q_rows, shift, delta, dq_t, dk, dv, dbias, nan_rows);
       break;
     default:
       TORCH_CHECK(false, "fused backward: unsupported dtype ", k.scalar_type());

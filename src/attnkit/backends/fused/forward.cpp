@@ -39,7 +39,8 @@ std::vector<KeyTile> key_tiles(const Spec<acc_t>& sp, int64_t i0, int64_t i1) {
 
 template <typename scalar_t, typename acc_t>
 void forward_kernel(const Spec<acc_t>& sp, const Tensor& q, const Tensor& k_t, const Tensor& v,
-                    const Tensor& out, const Tensor& lse, const Opt& poisoned, const Opt& bad) {
+                    const Tensor& out, const Tensor& lse, const Tensor& shift, const Opt& poisoned,
+                    const Opt& bad) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr bool packed = std::is_same_v<scalar_t, at::BFloat16>;
   constexpr int64_t step = column_step<scalar_t>();
@@ -52,6 +53,8 @@ void forward_kernel(const Spec<acc_t>& sp, const Tensor& q, const Tensor& k_t, c
   const scalar_t* v_data = v.data_ptr<scalar_t>();
   acc_t* out_data = out.data_ptr<acc_t>();
   acc_t* lse_data = lse.data_ptr<acc_t>();
+  acc_t* top_data = shift.data_ptr<acc_t>();  // shift[0]: m; shift[1]: log2 l (base 2)
+  acc_t* log_l_data = top_data + sp.nb * sp.h * sp.ni;
   bool* poison_data = poisoned ? poisoned->data_ptr<bool>() : nullptr;
   const bool* bad_data = bad ? bad->data_ptr<bool>() : nullptr;
   const acc_t blocked = sp.blocked();
@@ -142,20 +145,27 @@ void forward_kernel(const Spec<acc_t>& sp, const Tensor& q, const Tensor& k_t, c
         }
       }
       // finish (softmax.py): output = acc / l, lse = (m + log2 l) * ln 2; rows that saw no key
-      // give 0 and blocked; a NaN or +inf shift makes the row NaN.
+      // give 0 and blocked; a NaN or +inf shift makes the row NaN. The backward reads m and
+      // log2 l apart (``shift``): p = exp2((s - m) - log2 l) rounds once where s is near m,
+      // where exp2(s - lse * log2 e) would round lse three times at the size of m.
       for (int64_t r = 0; r < rows; r++) {
-        const int64_t i = i0 + r;
-        acc_t* o = out_data + ((b * sp.h + h) * sp.ni + i) * sp.dv;
+        const int64_t i = i0 + r, row = (b * sp.h + h) * sp.ni + i;
+        acc_t* o = out_data + row * sp.dv;
         const bool seen = m[r] > blocked;
         const bool broken = std::isnan(m[r]) || m[r] == std::numeric_limits<acc_t>::infinity();
         const acc_t l_r = std::max(l[r], acc_t(1e-30));
         for (int64_t e = 0; e < sp.dv; e++) o[e] = seen ? acc[r * dv_p + e] / l_r : acc_t(0);
-        acc_t lse_r = seen ? (m[r] + std::log2(l_r)) * static_cast<acc_t>(LN2) : blocked;
+        const acc_t log_l = seen ? std::log2(l_r) : acc_t(0);
+        acc_t lse_r = seen ? (m[r] + log_l) * static_cast<acc_t>(LN2) : blocked;
+        acc_t top = seen ? m[r] : acc_t(0);  // a row that saw no key: p = exp2(blocked) = 0
         if (broken) {
           lse_r = std::numeric_limits<acc_t>::quiet_NaN();
+          top = lse_r;
           std::fill(o, o + sp.dv, lse_r);
         }
-        lse_data[(b * sp.h + h) * sp.ni + i] = lse_r;
+        lse_data[row] = lse_r;
+        top_data[row] = top;
+        log_l_data[row] = log_l;
       }
     }
   });
@@ -164,28 +174,30 @@ void forward_kernel(const Spec<acc_t>& sp, const Tensor& q, const Tensor& k_t, c
 }  // namespace
 
 void forward(const Tensor& q, const Tensor& k_t, const Tensor& v, const Tensor& out,
-             const Tensor& lse, const Opt& poisoned, const Opt& bad, const Opt& mask,
+             const Tensor& lse, const Tensor& shift, const Opt& poisoned, const Opt& bad,
+             const Opt& mask,
              const Opt& bias, const Opt& relative, const Opt& layout, const Opt& q_norm,
              const Opt& k_norm, const std::vector<int64_t>& ints,
              const std::vector<double>& floats) {
   TORCH_CHECK(q.is_contiguous() && k_t.is_contiguous() && v.is_contiguous(),
               "fused forward: q, k_t, v must be contiguous");
-  TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(), "fused forward: outputs");
+  TORCH_CHECK(out.is_contiguous() && lse.is_contiguous() && shift.is_contiguous(),
+              "fused forward: outputs");
   switch (q.scalar_type()) {
     case at::kFloat:
       forward_kernel<float, float>(
           make_spec<float>(mask, bias, relative, layout, q_norm, k_norm, ints, floats), q, k_t,
-          v, out, lse, poisoned, bad);
+          v, out, lse, shift, poisoned, bad);
       break;
     case at::kDouble:
       forward_kernel<double, double>(
           make_spec<double>(mask, bias, relative, layout, q_norm, k_norm, ints, floats), q, k_t,
-          v, out, lse, poisoned, bad);
+          v, out, lse, shift, poisoned, bad);
       break;
     case at::kBFloat16:
       forward_kernel<at::BFloat16, float>(
           make_spec<float>(mask, bias, relative, layout, q_norm, k_norm, ints, floats), q, k_t,
-          v, out, lse, poisoned, bad);
+          v, out, lse, shift, poisoned, bad);
       break;
     default:
       TORCH_CHECK(false, "fused forward: unsupported dtype ", q.scalar_type());

@@ -257,13 +257,13 @@ Spec<acc_t> make_spec(const Opt& mask, const Opt& bias, const Opt& relative, con
 }
 
 void forward(const Tensor& q, const Tensor& k_t, const Tensor& v, const Tensor& out,
-             const Tensor& lse, const Opt& poisoned, const Opt& bad, const Opt& mask,
-             const Opt& bias, const Opt& relative, const Opt& layout, const Opt& q_norm,
-             const Opt& k_norm, const std::vector<int64_t>& ints,
+             const Tensor& lse, const Tensor& shift, const Opt& poisoned, const Opt& bad,
+             const Opt& mask, const Opt& bias, const Opt& relative, const Opt& layout,
+             const Opt& q_norm, const Opt& k_norm, const std::vector<int64_t>& ints,
              const std::vector<double>& floats);
 
 void backward(const Tensor& k, const Tensor& v, const Tensor& k_t, const Tensor& q_t,
-              const Tensor& do_t, const Tensor& do_rows, const Tensor& q_rows, const Tensor& lse2,
+              const Tensor& do_t, const Tensor& do_rows, const Tensor& q_rows, const Tensor& shift,
               const Tensor& delta, const Tensor& dq_t, const Tensor& dk, const Tensor& dv,
               const Opt& dbias, const Opt& mask, const Opt& bias, const Opt& relative,
               const Opt& layout, const Opt& q_norm, const Opt& k_norm,
