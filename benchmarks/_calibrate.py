@@ -35,10 +35,21 @@ CONFIGS = [
     ("plain 640", "tiled", (4, 8, 640, 640, 64), "plain"),
     ("relative fn 640", "tiled", (4, 8, 640, 640, 64), "relative"),
     ("document fn 640", "tiled", (4, 8, 640, 640, 64), "document"),
+    ("decode", "fused", (1, 8, 1, 200, 64), "plain"),
+    ("one head 1024", "fused", (1, 1, 1024, 1024, 64), "plain"),
+    ("plain 768", "fused", (2, 8, 768, 768, 64), "plain"),
+    ("plain 3072", "fused", (1, 8, 3072, 3072, 64), "plain"),
+    ("plain 1536 d128", "fused", (1, 8, 1536, 1536, 128), "plain"),
+    ("relative fn 1536", "fused", (1, 8, 1536, 1536, 64), "relative"),
+    ("plain 640", "fused", (4, 8, 640, 640, 64), "plain"),
+    ("relative fn 640", "fused", (4, 8, 640, 640, 64), "relative"),
+    ("document fn 640", "fused", (4, 8, 640, 640, 64), "document"),
+    ("window 3072", "fused", (1, 8, 3072, 3072, 64), "window"),
     ("window one head 2048", "sparse", (1, 1, 2048, 2048, 64), "window"),
     ("window 1536", "sparse", (2, 8, 1536, 1536, 64), "window"),
     ("window 3072", "sparse", (1, 8, 3072, 3072, 64), "window"),
     ("window 640", "sparse", (4, 8, 640, 640, 64), "window"),
+    ("window one head 320", "sparse", (1, 1, 320, 320, 64), "window"),
     ("decode", "math", (1, 8, 1, 200, 64), "plain"),
     ("plain 768", "math", (2, 8, 768, 768, 64), "plain"),
     ("plain 1536", "math", (1, 8, 1536, 1536, 64), "plain"),
@@ -64,6 +75,8 @@ def measure(job: dict) -> dict:
     gen = torch.Generator().manual_seed(0)
     runs, out = {}, {"configs": [], "eval": []}
     for label, backend, (b, h, i, j, d), kind in CONFIGS:
+        if job["backends"] and backend not in job["backends"]:
+            continue
         q = torch.randn(b, h, i, d, generator=gen).to(dtype).requires_grad_()
         k = torch.randn(b, h, j, d, generator=gen).to(dtype).requires_grad_()
         v = torch.randn(b, h, j, d, generator=gen).to(dtype).requires_grad_()
@@ -121,9 +134,11 @@ def fit(result: dict, dtype: str) -> tuple[dict, float]:
     evals = [result["times"][f"{e['name']}|fwd"] / e["ops"] for e in result["eval"]]
     eval_s = statistics.median(evals)
     rates = {}
-    for backend in ("torch", "tiled", "sparse", "math"):
+    for backend in ("torch", "tiled", "fused", "sparse", "math"):
         for mode in ("fwd", "fwdbwd"):
             rows = [c for c in result["configs"] if c["backend"] == backend and c["mode"] == mode]
+            if not rows:
+                continue
             a, y = [], []
             for c in rows:
                 t = c["terms"]
@@ -155,6 +170,7 @@ def calibrate(args, run_worker) -> int:
             "threads": args.threads,
             "repeats": args.repeats,
             "warmup": args.warmup,
+            "backends": args.backends,
         }
         result = run_worker(job, args.timeout)
         rates, eval_s = fit(result, dtype)

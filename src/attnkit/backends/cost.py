@@ -44,6 +44,8 @@ from torch.overrides import TorchFunctionMode
 from attnkit._numerics import compute_dtype
 from attnkit._structure import Band, Structure, structure_of
 from attnkit.backends import chunked as chunked_backend
+from attnkit.backends.fused import api as fused_api
+from attnkit.backends.fused.plan import evaluated_whole
 from attnkit.backends.sparse import WINDOW_BLOCK
 from attnkit.backends.tiled import tiles as tiled_tiles
 from attnkit.backends.tiled.skipping import NEGLIGIBLE_MARGIN
@@ -51,7 +53,17 @@ from attnkit.backends.tiled.softmax import LOG2E
 from attnkit.masks import causal_offset
 from attnkit.registry import AttentionCall, Estimate, register_cost
 
-__all__ = ["EVAL", "RATES", "Rates", "Terms", "estimate", "price", "terms", "tiled_like"]
+__all__ = [
+    "EVAL",
+    "RATES",
+    "Rates",
+    "Terms",
+    "estimate",
+    "fused_terms",
+    "price",
+    "terms",
+    "tiled_like",
+]
 
 
 @dataclass(frozen=True)
@@ -69,33 +81,38 @@ class Rates:
 # backend, dtype and pass it times, interleaved (medians of 5), a decoding step (i = 1,
 # j = 200: the per-call cost), a few tiles of one head (b = h = 1, n = 1024: per tile), plain
 # calls at n = 768 and 3072 and d = 128 (the matmul rate) and calls with a dense bias tensor
-# (torch) or a relative bias function (tiled) at n = 1536 (per pair), then fits the four
-# constants by non-negative least squares on relative errors. Sizes are off the benchmark
-# grid on purpose. "pair" is the extra per pair with a mask (torch) or a bias (tiled); for
-# math, all its elementwise work. float32 and bfloat16 were measured in separate runs.
+# (torch) or a relative bias function (tiled, fused) at n = 1536 (per pair), and for fused a
+# window and a document mask, then fits the four constants by non-negative least squares on
+# relative errors. Sizes are off the benchmark grid on purpose. "pair" is the extra per pair
+# with a mask (torch), a bias (tiled), a mask or bias tensor or a partly masked tile (fused);
+# for math, all its elementwise work. float32 and bfloat16 were measured in separate runs.
 #                                            call (s)  tile (s)  GFLOP/s   pair (s)
 RATES: dict[tuple[str, str, str], Rates] = {
-    ("torch", "float32", "fwd"): Rates(5.32e-05, 0.0, 184.1, 3.96e-10),
-    ("torch", "float32", "fwdbwd"): Rates(2.12e-04, 0.0, 52.14, 5.40e-10),
-    ("tiled", "float32", "fwd"): Rates(1.12e-04, 8.02e-05, 178.5, 6.15e-10),
-    ("tiled", "float32", "fwdbwd"): Rates(4.56e-05, 1.37e-04, 40.66, 7.51e-10),
-    ("sparse", "float32", "fwd"): Rates(0.0, 8.48e-05, 106.0, 0.0),
-    ("sparse", "float32", "fwdbwd"): Rates(2.50e-03, 0.0, 38.73, 0.0),
-    ("math", "float32", "fwd"): Rates(1.45e-04, 0.0, 154.5, 3.47e-09),
-    ("math", "float32", "fwdbwd"): Rates(1.48e-04, 0.0, 67.36, 8.27e-09),
-    ("torch", "bfloat16", "fwd"): Rates(2.18e-04, 0.0, 175.6, 7.18e-10),
-    ("torch", "bfloat16", "fwdbwd"): Rates(3.44e-04, 0.0, 68.74, 1.15e-09),
-    ("tiled", "bfloat16", "fwd"): Rates(1.70e-04, 6.50e-05, 136.2, 6.95e-10),
-    ("tiled", "bfloat16", "fwdbwd"): Rates(0.0, 2.25e-04, 41.71, 1.62e-09),
-    ("sparse", "bfloat16", "fwd"): Rates(9.73e-04, 0.0, 88.92, 0.0),
-    ("sparse", "bfloat16", "fwdbwd"): Rates(2.00e-03, 0.0, 30.75, 0.0),
-    ("math", "bfloat16", "fwd"): Rates(1.69e-04, 0.0, 219.2, 4.98e-09),
-    ("math", "bfloat16", "fwdbwd"): Rates(2.95e-04, 0.0, 62.3, 9.47e-09),
+    ("torch", "float32", "fwd"): Rates(5.4e-05, 0, 178.7, 2.8e-10),
+    ("torch", "float32", "fwdbwd"): Rates(0.000337, 0, 49.62, 5.88e-10),
+    ("tiled", "float32", "fwd"): Rates(0.000148, 5.22e-05, 148.1, 4.14e-10),
+    ("tiled", "float32", "fwdbwd"): Rates(1.66e-05, 0.000182, 41.19, 7.86e-10),
+    ("fused", "float32", "fwd"): Rates(0.000136, 1.44e-06, 159.2, 7.57e-10),
+    ("fused", "float32", "fwdbwd"): Rates(0.000108, 3.72e-06, 52.04, 2.07e-09),
+    ("sparse", "float32", "fwd"): Rates(0.00165, 0, 120.1, 0),
+    ("sparse", "float32", "fwdbwd"): Rates(0.00124, 0, 36.34, 0),
+    ("math", "float32", "fwd"): Rates(0.000159, 0, 195.1, 3.84e-09),
+    ("math", "float32", "fwdbwd"): Rates(0.000157, 0, 63.41, 7.61e-09),
+    ("torch", "bfloat16", "fwd"): Rates(0.000277, 0, 181.1, 3.32e-10),
+    ("torch", "bfloat16", "fwdbwd"): Rates(0.000127, 0, 72.73, 1.2e-09),
+    ("tiled", "bfloat16", "fwd"): Rates(0.000182, 2.31e-05, 150.4, 4.75e-10),
+    ("tiled", "bfloat16", "fwdbwd"): Rates(0.000179, 1.37e-05, 40.21, 6.12e-10),
+    ("fused", "bfloat16", "fwd"): Rates(0.000328, 0, 232.5, 5.92e-10),
+    ("fused", "bfloat16", "fwdbwd"): Rates(0.000147, 7.98e-06, 81.41, 1.88e-09),
+    ("sparse", "bfloat16", "fwd"): Rates(0, 0.000518, 134.3, 0),
+    ("sparse", "bfloat16", "fwdbwd"): Rates(0.00125, 0, 30.19, 0),
+    ("math", "bfloat16", "fwd"): Rates(0.000149, 0, 228.2, 3.82e-09),
+    ("math", "bfloat16", "fwdbwd"): Rates(0.00015, 0, 70.51, 7.33e-09),
 }
-EVAL = 1.5e-09
+EVAL = 1.1e-09
 """Seconds per element-op of a mask or bias function (an op's output elements at full size):
 the time to materialise ALiBi, T5-style buckets and document ids at (1, 8, 1536, 1536) over
-the element-ops ``_probe`` counts for them (median; 1.5e-9 in float32, 2.0e-9 in bfloat16)."""
+the element-ops ``_probe`` counts for them (median over float32 and bfloat16)."""
 
 # dtypes without their own rows: float16 runs like bfloat16; float64 like float32, at half speed.
 _ROW = {torch.float16: ("bfloat16", 1.0), torch.float64: ("float32", 2.0)}
@@ -534,9 +551,66 @@ def _negligible_pairs(work: _Work, visit: _Visit, bq: int, bk: int) -> float:
     return left
 
 
+def fused_terms(work: _Work) -> Terms:
+    """The fused kernel visits tiles as ``tiled`` does, with its own tile sizes; it reads bands,
+    block layouts and relative biases as structure and evaluates any other mask or bias
+    function once on the whole grid (``plan.evaluated_whole``), then reads it per pair like a
+    tensor. Its plan is kept for the backward, so nothing is evaluated twice."""
+    call = work.call
+    mask_fn = call.mask if callable(call.mask) else None
+    bias_fn = call.bias if callable(call.bias) else None
+    whole_mask, whole_bias = evaluated_whole(mask_fn, bias_fn)
+    bq, bk = fused_api.BLOCK_Q, fused_api.BLOCK_K
+    block = structure_of(mask_fn).block if mask_fn is not None else None
+    if block:  # every tile inside one cell of a block layout
+        bq, bk = min(bq, block), min(bk, block)
+    visit = _visit(work, bq, bk, False)
+    bh = work.b * work.h
+    ops, built, words = 0.0, 0, []
+    for name, fn, whole in (("mask", mask_fn, whole_mask), ("bias", bias_fn, whole_bias)):
+        if fn is not None and whole:
+            f = _fn(work, fn)
+            ops += f.ops
+            built += f.out_bytes + f.temp_bytes
+            words.append(f"the {name} function")
+    if bias_fn is not None and not whole_bias:  # relative: one table of i + j - 1 offsets
+        offsets = work.i + work.j - 1 if work.i and work.j else 0
+        ops += _fn(work, bias_fn, (1, work.h, 1, offsets)).ops
+    pairs = visit.pairs
+    if bias_fn is not None and not whole_bias and call.softcap is None:
+        pairs -= _negligible_pairs(work, visit, bq, bk)
+    # Elementwise extra: every pair when a mask or bias tensor is read per pair (a relative
+    # table is read in the same pass as the scale: no extra), and the pairs of tiles a band,
+    # layout or mask cuts through (their rows are masked column by column).
+    dense = (call.mask is not None and (whole_mask or not callable(call.mask))) or (
+        call.bias is not None and (whole_bias or not callable(call.bias))
+    )
+    extra = (pairs if dense else 0.0) + visit.evaluated
+    share = pairs / max(1, work.i * work.j)
+    how = f"{visit.tiles} tiles of {bq} x {bk}, {share:.0%} of pairs"
+    if words:
+        how += f"; evaluates {' and '.join(words)} once as a tensor"
+    return Terms(visit.tiles, bh * pairs, bh * extra, ops, built, how)
+
+
+# The fused kernel's float64 is a plain loop (for checking): about 8x its float32 time, where
+# _ROW prices float64 at twice float32.
+_FUSED_FLOAT64 = 4.0
+
+
+def fused_cost(call: AttentionCall) -> Estimate:
+    work = _work(call)
+    terms = fused_terms(work)
+    seconds = price(_rates("fused", work), terms, work)
+    if call.query.dtype == torch.float64:
+        seconds *= _FUSED_FLOAT64
+    return Estimate(seconds, terms.materialised, terms.how)
+
+
 TERMS = {
     "torch": torch_terms,
     "tiled": tiled_terms,
+    "fused": fused_terms,
     "sparse": lambda work: tiled_terms(work, gather=True),
     "math": math_terms,
 }
@@ -556,6 +630,7 @@ def estimate(name: str, call: AttentionCall) -> Estimate:
 _COST_FNS = {
     "torch": _priced("torch", torch_terms),
     "tiled": tiled_like("tiled"),
+    "fused": fused_cost,
     "sparse": tiled_like("sparse", gather=True),
     "chunked": chunked_cost,
     "math": _priced("math", math_terms),

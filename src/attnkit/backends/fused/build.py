@@ -14,13 +14,17 @@ AVX512, AVX2 or the portable default), with that class's instruction-set flags, 
 ``-march=native``: the class is part of the cache key, so a cache shared between machines of
 different classes keeps one build per class.
 
-``ATTNKIT_FUSED=0`` turns the backend off (it then says so in ``why_not``).
+The first use on a machine logs one warning (logger ``"attnkit"``) while it compiles; that
+first use may be ``backend="auto"`` weighing the kernel, which it does on any CPU call.
+``ATTNKIT_FUSED=0`` turns the backend off (it then says so in ``why_not``, and auto weighs the
+others).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -31,6 +35,7 @@ import torch
 __all__ = ["SOURCES", "cache_dir", "flags", "load", "unavailable"]
 
 HERE = Path(__file__).resolve().parent
+_log = logging.getLogger("attnkit")
 SOURCES = ("fused.h", "forward.cpp", "backward.cpp", "module.cpp")
 
 _CAPABILITY_FLAGS = {
@@ -112,6 +117,12 @@ def _load() -> tuple[ModuleType | None, str | None]:
 
     name = f"attnkit_fused_{build_key()}"
     where = cache_dir() / name
+    if not (where / f"{name}.so").exists():  # a cached build loads in about a second
+        _log.warning(
+            "attnkit: building the fused CPU kernel in %s (once per machine and torch version; "
+            "about a minute; ATTNKIT_FUSED=0 turns it off)",
+            where,
+        )
     try:
         where.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(

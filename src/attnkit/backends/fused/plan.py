@@ -43,7 +43,15 @@ from attnkit.masks import (
     window_fn,
 )
 
-__all__ = ["MATERIALIZE_BYTES", "NO_LIMIT", "Plan", "exact_parts", "materialized_bytes", "plan"]
+__all__ = [
+    "MATERIALIZE_BYTES",
+    "NO_LIMIT",
+    "Plan",
+    "evaluated_whole",
+    "exact_parts",
+    "materialized_bytes",
+    "plan",
+]
 
 MATERIALIZE_BYTES = 1 << 28  # 256 MiB: the largest mask or bias a function may be evaluated into
 NO_LIMIT = (2**63 - 1) // 4  # fused.h NO_LIMIT: an open side of the band
@@ -131,13 +139,21 @@ def _split(fn) -> tuple[list[tuple[str, tuple]], object | None]:
     return [], fn
 
 
+def evaluated_whole(mask_fn, bias_fn) -> tuple[bool, bool]:
+    """Whether the mask function and the bias function are evaluated once on the whole grid
+    (``materialize``) rather than read by the kernel as structure."""
+    mask = mask_fn is not None and _split(mask_fn)[1] is not None
+    return mask, bias_fn is not None and not structure_of(bias_fn).relative
+
+
 def materialized_bytes(mask_fn, bias_fn, score_shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Upper bound of the bytes evaluating the call's non-exact functions would take."""
     n = math.prod(score_shape)
     total = 0
-    if mask_fn is not None and _split(mask_fn)[1] is not None:
+    mask, bias = evaluated_whole(mask_fn, bias_fn)
+    if mask:
         total += n  # bool
-    if bias_fn is not None and not structure_of(bias_fn).relative:
+    if bias:
         total += n * torch.empty(0, dtype=compute_dtype(dtype)).element_size()
     return total
 
