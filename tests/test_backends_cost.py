@@ -93,7 +93,8 @@ def test_tiles_visited_match_a_brute_force_count(n_i, n_j, kw) -> None:
     got = cost.terms("tiled", call)
     assert (got.tiles, got.pairs) == (want_tiles, want_pairs)
     if kw.get("is_causal") and len(kw) == 1 and n_i == n_j:  # torch's kernel skips above it
-        assert cost.terms("torch", call).pairs == pytest.approx(n_i * (n_i + 1) / 2)
+        # in key blocks of 512: queries 0..511 read the first block, the rest all 1000 keys
+        assert cost.terms("torch", call).pairs == 512 * 512 + (n_i - 512) * n_i
 
 
 def test_an_undeclared_mask_is_sampled_for_the_tiles_it_blocks() -> None:
@@ -287,3 +288,79 @@ def test_auto_weighs_a_call_without_queries_or_keys() -> None:
         ref = scaled_dot_product_attention(q, k, v, bias=alibi_fn(2), backend="math")
         out = scaled_dot_product_attention(q, k, v, bias=alibi_fn(2))
         torch.testing.assert_close(out, ref)
+
+
+def test_torchs_causal_kernel_is_priced_by_its_key_blocks_of_512() -> None:
+    """Hand-computed: up to 512 keys nothing is skipped; at n = 1024 the first 512 queries
+    read one key block and the rest two, (512 * 512 + 512 * 1024) / 1024^2 = 0.75."""
+    assert cost._torch_causal_fraction(512) == 1.0
+    assert cost._torch_causal_fraction(1024) == pytest.approx(0.75)
+    assert cost._torch_causal_fraction(0) == 0.0
+    q, k, v = _qkv(1024, h=2, d=8)
+    plain, causal = (cost.terms("torch", make_call(q, k, v, is_causal=c)) for c in (False, True))
+    assert causal.pairs == pytest.approx(0.75 * plain.pairs)
+
+
+def _fused_ready() -> bool:
+    from attnkit.backends.fused import build
+
+    return build.unavailable() is None
+
+
+needs_fused = pytest.mark.skipif(
+    not _fused_ready(), reason="the fused kernel cannot be built here (no compiler or ninja)"
+)
+
+
+@needs_fused
+def test_auto_takes_the_fused_kernel_where_it_is_cheapest_and_falls_back_without_it(
+    monkeypatch,
+) -> None:
+    """bfloat16 with an ALiBi function and gradients: the fused kernel's estimate is the
+    lowest and auto runs it; where it cannot be built, explain says why in its sentence and
+    auto takes another backend; both results equal the float64 reference within bfloat16."""
+    from attnkit import registry
+    from attnkit.backends.fused import build
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 4, 1024, 64, generator=g).bfloat16().requires_grad_() for _ in "qkv")
+    bias = _alibi(4)
+    ref = scaled_dot_product_attention(
+        *(t.detach().double() for t in (q, k, v)), bias=bias, backend="math"
+    )
+    e = explain(q, k, v, bias=bias)
+    assert e.backend == "fused"
+    cheapest = min(x.estimate.seconds for x in e.verdicts if x.estimate)
+    assert e.verdicts[0].estimate.seconds == cheapest
+    registry._RANKED.clear()
+    out = scaled_dot_product_attention(q, k, v, bias=bias)
+    assert (out.double() - ref).abs().max() < 2e-2
+
+    reason = "no C++ compiler ('c++') is installed: the fused kernel cannot be built"
+    monkeypatch.setattr(build, "unavailable", lambda: reason)
+    registry._RANKED.clear()
+    e = explain(q, k, v, bias=bias)
+    assert e.backend not in (None, "fused")
+    fused = next(x for x in e.verdicts if x.backend == "fused")
+    assert fused.estimate is None and fused.why_not == reason
+    assert f"fused: cannot serve this call: {reason}" in str(e)
+    out = scaled_dot_product_attention(q, k, v, bias=bias)
+    assert (out.double() - ref).abs().max() < 2e-2
+    registry._RANKED.clear()
+
+
+@needs_fused
+def test_the_fused_kernel_counts_a_mask_function_it_evaluates_against_the_budget() -> None:
+    """An undeclared mask function is evaluated once into a bool tensor (i x j here: it does
+    not depend on b or h); a budget below that leaves the fused kernel out, one above keeps it."""
+    n = 512
+    q, k, v = (t.float() for t in _qkv(n, h=2, d=16))
+    doc = _document(n)
+    est = cost.estimate("fused", make_call(q, k, v, mask=doc))
+    assert est.materialised >= n * n  # one byte per (i, j)
+    assert "evaluates the mask function once as a tensor" in est.how
+    with memory_budget(est.materialised - 1):
+        over = {x.backend: x for x in explain(q, k, v, mask=doc).verdicts}
+        assert over["fused"].why_not.startswith("it would build")
+    declared = cost.estimate("fused", make_call(q, k, v, mask=masks.window_fn(40)))
+    assert declared.materialised == 0  # a band is read as structure

@@ -136,6 +136,23 @@ def test_fully_masked_rows_give_zero_output_zero_gradient_and_blocked_lse() -> N
     assert torch.isfinite(gq).all() and torch.equal(gq[:, :, 0], torch.zeros_like(gq[:, :, 0]))
 
 
+def test_nan_values_laid_out_as_a_fused_projection_stay_in_their_rows() -> None:
+    """q, k, v as views of one (b, n, 3, h, d) projection (strided, not contiguous), NaN from
+    token 7 on in batch 1, causal with ALiBi (a transformer's second layer after a NaN token):
+    rows 0..6 stay finite, as in the reference. Reading the NaN positions of v with v's strides
+    as if contiguous put NaN into rows 0 and 1."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 40, 3, 4, 8, generator=g)
+    qkv[1, 7:] = float("nan")
+    q, k, v = (qkv[:, :, x].transpose(1, 2) for x in range(3))  # (b, h, n, d), strided
+    assert not v.is_contiguous()
+    kw = {"bias": alibi_fn(4), "is_causal": True}
+    want = scaled_dot_product_attention(q, k, v, backend="math", **kw)
+    got = scaled_dot_product_attention(q, k, v, backend="fused", **kw)
+    assert not bool(torch.isnan(got[1, :, :7]).any())
+    _agree(got, want, 1e-5, "strided q, k, v with NaN rows")
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(call=hostile_calls(), cast=st.sampled_from([None, torch.bfloat16, torch.float16]))
 def test_nan_goes_where_the_reference_puts_it(call, cast) -> None:

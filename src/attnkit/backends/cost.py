@@ -41,16 +41,13 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from attnkit._numerics import compute_dtype
-from attnkit._structure import Band, Structure, structure_of
+from attnkit._structure import structure_of
 from attnkit.backends import chunked as chunked_backend
 from attnkit.backends.fused import api as fused_api
 from attnkit.backends.fused.plan import evaluated_whole
 from attnkit.backends.sparse import WINDOW_BLOCK
 from attnkit.backends.tiled import tiles as tiled_tiles
-from attnkit.backends.tiled.skipping import NEGLIGIBLE_MARGIN
-from attnkit.backends.tiled.softmax import LOG2E
-from attnkit.masks import causal_offset
+from attnkit.backends.visits import negligible_pairs, tiles_visited, windowed
 from attnkit.registry import AttentionCall, Estimate, register_cost
 
 __all__ = [
@@ -84,26 +81,27 @@ class Rates:
 # (torch) or a relative bias function (tiled, fused) at n = 1536 (per pair), and for fused a
 # window and a document mask, then fits the four constants by non-negative least squares on
 # relative errors. Sizes are off the benchmark grid on purpose. "pair" is the extra per pair
-# with a mask (torch), a bias (tiled), a mask or bias tensor or a partly masked tile (fused);
+# with a mask (torch), a bias (tiled), a mask or bias tensor (fused);
 # for math, all its elementwise work. float32 and bfloat16 were measured in separate runs.
+# tiled's rows count a masked pair twice (``_MASK_PAIR``), fitted on the same times.
 #                                            call (s)  tile (s)  GFLOP/s   pair (s)
 RATES: dict[tuple[str, str, str], Rates] = {
     ("torch", "float32", "fwd"): Rates(5.4e-05, 0, 178.7, 2.8e-10),
     ("torch", "float32", "fwdbwd"): Rates(0.000337, 0, 49.62, 5.88e-10),
-    ("tiled", "float32", "fwd"): Rates(0.000148, 5.22e-05, 148.1, 4.14e-10),
-    ("tiled", "float32", "fwdbwd"): Rates(1.66e-05, 0.000182, 41.19, 7.86e-10),
-    ("fused", "float32", "fwd"): Rates(0.000136, 1.44e-06, 159.2, 7.57e-10),
-    ("fused", "float32", "fwdbwd"): Rates(0.000108, 3.72e-06, 52.04, 2.07e-09),
+    ("tiled", "float32", "fwd"): Rates(0.000135, 6.25e-05, 158.9, 4.74e-10),
+    ("tiled", "float32", "fwdbwd"): Rates(0, 0.000201, 43.38, 1.01e-09),
+    ("fused", "float32", "fwd"): Rates(0.000137, 9.78e-07, 160.2, 1.45e-09),
+    ("fused", "float32", "fwdbwd"): Rates(0.000109, 2.73e-06, 52.46, 4.2e-09),
     ("sparse", "float32", "fwd"): Rates(0.00165, 0, 120.1, 0),
     ("sparse", "float32", "fwdbwd"): Rates(0.00124, 0, 36.34, 0),
     ("math", "float32", "fwd"): Rates(0.000159, 0, 195.1, 3.84e-09),
     ("math", "float32", "fwdbwd"): Rates(0.000157, 0, 63.41, 7.61e-09),
     ("torch", "bfloat16", "fwd"): Rates(0.000277, 0, 181.1, 3.32e-10),
     ("torch", "bfloat16", "fwdbwd"): Rates(0.000127, 0, 72.73, 1.2e-09),
-    ("tiled", "bfloat16", "fwd"): Rates(0.000182, 2.31e-05, 150.4, 4.75e-10),
-    ("tiled", "bfloat16", "fwdbwd"): Rates(0.000179, 1.37e-05, 40.21, 6.12e-10),
-    ("fused", "bfloat16", "fwd"): Rates(0.000328, 0, 232.5, 5.92e-10),
-    ("fused", "bfloat16", "fwdbwd"): Rates(0.000147, 7.98e-06, 81.41, 1.88e-09),
+    ("tiled", "bfloat16", "fwd"): Rates(0.000175, 3.28e-05, 160.9, 5.03e-10),
+    ("tiled", "bfloat16", "fwdbwd"): Rates(0.000152, 3.84e-05, 42.6, 9.51e-10),
+    ("fused", "bfloat16", "fwd"): Rates(0.000328, 0, 234.5, 1.08e-09),
+    ("fused", "bfloat16", "fwdbwd"): Rates(0.000148, 6.81e-06, 81.77, 3.45e-09),
     ("sparse", "bfloat16", "fwd"): Rates(0, 0.000518, 134.3, 0),
     ("sparse", "bfloat16", "fwdbwd"): Rates(0.00125, 0, 30.19, 0),
     ("math", "bfloat16", "fwd"): Rates(0.000149, 0, 228.2, 3.82e-09),
@@ -289,16 +287,6 @@ def _priced(name: str, terms_fn):
     return cost
 
 
-def _visible_fraction(band: Band, i: int, j: int) -> float:
-    """The fraction of (query, key) pairs inside ``band`` (exact: a sum over queries)."""
-    if i == 0 or j == 0:
-        return 0.0
-    q = torch.arange(i, dtype=torch.float64) + band.offset
-    lo = torch.zeros(i, dtype=torch.float64) if band.left is None else (q - band.left).clamp(0)
-    hi = torch.full((i,), float(j)) if band.right is None else (q + band.right + 1).clamp(max=j)
-    return float((hi - lo).clamp(min=0).sum()) / (i * j)
-
-
 # Torch's fused kernel and the reference: dense masks and biases, built when given functions.
 
 
@@ -333,11 +321,27 @@ def _mask_shape(work: _Work, causal_dense: bool) -> tuple[int, ...]:
     return tuple(torch.broadcast_shapes(*shapes)) if shapes else ()
 
 
+# torch's CPU kernel skips key blocks of 512 above the diagonal (its key split; measured:
+# causal / plain time 0.9-1.2 at n = 512, 0.63 at 2048, 0.57 at 4096, as this model gives).
+_TORCH_KEY_BLOCK, _TORCH_QUERY_BLOCK = 512, 32
+
+
+def _torch_causal_fraction(n: int) -> float:
+    """The share of pairs torch's causal kernel computes for ``n`` queries and keys."""
+    if n == 0:
+        return 0.0
+    starts = torch.arange(0, n, _TORCH_QUERY_BLOCK, dtype=torch.float64)
+    last = (starts + _TORCH_QUERY_BLOCK).clamp(max=n)  # keys up to the block's last query
+    keys = (torch.ceil(last / _TORCH_KEY_BLOCK) * _TORCH_KEY_BLOCK).clamp(max=n)
+    rows = last - starts
+    return float((rows * keys).sum()) / (n * n)
+
+
 def torch_terms(work: _Work) -> Terms:
     call = work.call
     flag = call.is_causal and work.i == work.j and call.mask is None and call.bias is None
     full = work.b * work.h * work.i * work.j
-    pairs = full * (_visible_fraction(Band(None, 0, 0), work.i, work.j) if flag else 1.0)
+    pairs = full * (_torch_causal_fraction(work.i) if flag else 1.0)
     causal_dense = call.is_causal and not flag
     shape = _mask_shape(work, causal_dense)
     elems = math.prod(shape) if shape else 0
@@ -383,89 +387,17 @@ def chunked_cost(call: AttentionCall) -> Estimate:
     return Estimate(seconds, int(full.materialised * share), how)
 
 
-# The tiled family: tiles visited, as the tiled backend's ``Tiles.groups`` chooses them.
-
-
-@dataclass(frozen=True)
-class _Visit:
-    tiles: int  # key tiles visited (their matmuls run)
-    pairs: float  # (i, j) pairs in them, per (b, h)
-    evaluated: float  # pairs where the mask function is evaluated, per (b, h)
-    groups: int  # query blocks with at least one tile
-    spans: list[tuple[int, int, int, int, bool]] | None = None  # the tiles, when listed
-
-
-def _mask_structure(call: AttentionCall) -> tuple[Structure, object]:
-    """The mask structure ``tiled`` sees (the mask function AND the causal band) and the
-    undeclared mask function to sample, if any."""
-    fn = call.mask if callable(call.mask) else None
-    parts = []
-    if fn is not None:
-        parts.append(structure_of(fn))
-    if call.is_causal:
-        parts.append(Structure(band=Band(None, 0, causal_offset(call.n_queries, call.n_keys))))
-    structure = Structure(parts=tuple(parts)) if parts else Structure()
-    undeclared = fn if fn is not None and not _declares_all(structure_of(fn)) else None
-    return structure, undeclared
-
-
-def _declares_all(s: Structure) -> bool:
-    """Whether a structure's ``classify`` is exact: bands and block layouts say where the
-    function is True, not only where it is False."""
-    if s.parts:
-        return all(_declares_all(p) for p in s.parts)
-    return (s.band is not None or s.layout is not None) and s.tile is None
-
-
-def _visit(work: _Work, bq: int, bk: int, gather: bool) -> _Visit:
-    structure, undeclared = _mask_structure(work.call)
-    i, j = work.i, work.j
-    if not structure.skips and undeclared is None:
-        nq, nk = math.ceil(i / bq), math.ceil(j / bk)
-        return _Visit(nq * nk, float(i * j), 0.0, nq)  # every tile, fully visible
-    tiles: list[tuple[int, int, int, int, bool]] = []  # i0, i1, j0, j1, evaluated
-    for i0 in range(0, i, bq):
-        i1 = min(i, i0 + bq)
-        for lo, hi in structure.visible_keys(i0, i1, 0, j):
-            for j0 in range(lo, hi, bk):
-                j1 = min(hi, j0 + bk)
-                state = structure.classify(i0, i1, j0, j1)
-                if state is not False:
-                    tiles.append((i0, i1, j0, j1, state is None))
-    evaluated = sum((t[1] - t[0]) * (t[3] - t[2]) for t in tiles if t[4])
-    if undeclared is not None and tiles:
-        kept = _sampled(undeclared, tiles, work)
-        tiles = [t for t, keep in zip(tiles, kept, strict=True) if keep]
-    pairs = float(sum((t[1] - t[0]) * (t[3] - t[2]) for t in tiles))
-    groups = len({t[0] for t in tiles})
-    count = groups if gather else len(tiles)
-    return _Visit(count, pairs, float(evaluated), groups, tiles)
-
-
-def _sampled(fn, tiles: list[tuple[int, int, int, int, bool]], work: _Work) -> list[bool]:
-    """Whether each tile has a visible pair among 8 x 8 sample points of the mask function
-    (batch 0, head 0): ``tiled`` skips a tile that evaluates all blocked."""
-    device = work.call.query.device
-    t = torch.tensor([x[:4] for x in tiles], dtype=torch.float64)  # (T, 4)
-    steps = torch.linspace(0, 1, 8, dtype=torch.float64)
-    rows = (t[:, :1] + steps * (t[:, 1:2] - 1 - t[:, :1])).round().long()  # (T, 8)
-    cols = (t[:, 2:3] + steps * (t[:, 3:4] - 1 - t[:, 2:3])).round().long()  # (T, 8)
-    zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
-    try:
-        with torch.no_grad():
-            seen = fn(
-                zero, zero, rows.to(device).view(1, -1, 8, 1), cols.to(device).view(1, -1, 1, 8)
-            )
-        seen = seen.expand(1, len(tiles), 8, 8).reshape(len(tiles), -1).any(dim=1)
-        return [bool(x) for x in seen.cpu()]
-    except Exception:
-        return [True] * len(tiles)
+# The tiled family: tiles visited (``visits``), as the tiled backend's ``Tiles.groups``
+# chooses them.
 
 
 def tiled_like(name: str, *, gather: bool = False, block: int | None = None):
     """The cost function of a backend that visits tiles as ``tiled`` does, with the
     ``RATES`` rows of backend ``name`` (``gather``: one group per query block, ``sparse``)."""
     return _priced(name, lambda work: tiled_terms(work, gather=gather, block=block))
+
+
+_MASK_PAIR = 2.0  # a masked pair costs about twice a biased one in tiled (calibration)
 
 
 def tiled_terms(work: _Work, *, gather: bool = False, block: int | None = None) -> Terms:
@@ -476,7 +408,7 @@ def tiled_terms(work: _Work, *, gather: bool = False, block: int | None = None) 
         bq, bk = size, size
     else:
         bq, bk = tiled_tiles.tile_sizes(None, None, has_bias)
-    visit = _visit(work, bq, bk, gather)
+    visit = tiles_visited(work, bq, bk, gather)
     bh = work.b * work.h
     ops = 0.0
     if callable(call.mask) and visit.evaluated:
@@ -492,63 +424,16 @@ def tiled_terms(work: _Work, *, gather: bool = False, block: int | None = None) 
     pairs = visit.pairs
     relative = callable(call.bias) and structure_of(call.bias).relative
     if relative and not gather and call.softcap is None:
-        pairs -= _negligible_pairs(work, visit, bq, bk)
+        pairs -= negligible_pairs(work, visit, bq, bk)
     share = pairs / max(1, work.i * work.j)
     unit = "query blocks" if gather else "tiles"
     how = f"{visit.tiles} {unit} of {bq} x {bk}, {share:.0%} of pairs"
-    return Terms(visit.tiles, bh * pairs, bh * pairs if has_bias else 0.0, ops, 0, how)
-
-
-def _largest_norm(t: Tensor) -> float:
-    """The largest row norm of ``t`` ``(..., n, d)``, estimated from at most 1024 rows spread
-    over it (reading the whole tensor would cost as much as a small call), plus a quarter."""
-    flat = t.detach().reshape(-1, t.shape[-1])
-    step = max(1, flat.shape[0] // 1024)
-    return 1.25 * float(flat[::step].float().norm(dim=-1).amax()) if flat.numel() else 0.0
-
-
-def _negligible_pairs(work: _Work, visit: _Visit, bq: int, bk: int) -> float:
-    """Pairs per (b, h) of the heads ``tiled`` leaves out as negligible (``skipping.needed``):
-    where a relative bias puts a whole tile more than the dtype's negligible bits plus twice
-    the Cauchy-Schwarz bound ``max |q| max |k| scale`` below its rows' largest bias. Tiles
-    with a mask are never left out; the heads kept are a contiguous range, as there."""
-    call = work.call
-    i, j = work.i, work.j
-    if i == 0 or j == 0:
-        return 0.0  # no query or no key: no pairs to leave out
-    spans = visit.spans
-    if spans is None:
-        spans = [
-            (i0, min(i, i0 + bq), j0, min(j, j0 + bk), False)
-            for i0 in range(0, i, bq)
-            for j0 in range(0, j, bk)
-        ]
-    with torch.no_grad():
-        heads = torch.arange(work.h, device=call.query.device).view(1, -1, 1, 1)
-        offsets = torch.arange(i + j - 1, device=call.query.device).view(1, 1, 1, -1)
-        last = torch.full((1, 1, 1, 1), i - 1, device=call.query.device)
-        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=call.query.device)
-        try:  # bias[h, o]: key j - i = o - (i - 1)
-            table = call.bias(zero, heads, last, offsets).double().reshape(-1, i + j - 1)
-        except Exception:
-            return 0.0
-        norms = [_largest_norm(t) for t in (call.query, call.key)]
-        bound = norms[0] * norms[1] * abs(call.scale)  # |q . k| <= |q| |k|
-    if table.shape[0] != work.h or not math.isfinite(bound):
-        return 0.0
-    mantissa = round(-math.log2(torch.finfo(compute_dtype(call.query.dtype)).eps)) + 1
-    margin = (mantissa + NEGLIGIBLE_MARGIN + 1) / LOG2E + 2 * bound  # natural units
-    top = table.amax(dim=1)  # (h,): the largest bias any row can reach
-    left = 0.0
-    for i0, i1, j0, j1, masked in spans:
-        if masked:
-            continue
-        lo, hi = j0 - (i1 - 1) + (i - 1), (j1 - 1) - i0 + (i - 1)
-        negligible = (table[:, lo : hi + 1].amax(dim=1) < top - margin).tolist()
-        kept = [h for h, small in enumerate(negligible) if not small]
-        skipped = work.h - (kept[-1] - kept[0] + 1) if kept else work.h
-        left += (i1 - i0) * (j1 - j0) * skipped / work.h
-    return left
+    # Elementwise extra: a bias added to every pair computed; a mask function's result
+    # applied (masked_fill over the (b, h) block) on the evaluated tiles it does not skip as
+    # all blocked, each such pair counted _MASK_PAIR times.
+    masked = visit.masked if callable(call.mask) else 0.0
+    extra = (pairs if has_bias else 0.0) + _MASK_PAIR * masked
+    return Terms(visit.tiles, bh * pairs, bh * extra, ops, 0, how)
 
 
 def fused_terms(work: _Work) -> Terms:
@@ -564,7 +449,7 @@ def fused_terms(work: _Work) -> Terms:
     block = structure_of(mask_fn).block if mask_fn is not None else None
     if block:  # every tile inside one cell of a block layout
         bq, bk = min(bq, block), min(bk, block)
-    visit = _visit(work, bq, bk, False)
+    visit = tiles_visited(work, bq, bk, False)
     bh = work.b * work.h
     ops, built, words = 0.0, 0, []
     for name, fn, whole in (("mask", mask_fn, whole_mask), ("bias", bias_fn, whole_bias)):
@@ -578,14 +463,17 @@ def fused_terms(work: _Work) -> Terms:
         ops += _fn(work, bias_fn, (1, work.h, 1, offsets)).ops
     pairs = visit.pairs
     if bias_fn is not None and not whole_bias and call.softcap is None:
-        pairs -= _negligible_pairs(work, visit, bq, bk)
+        pairs -= negligible_pairs(work, visit, bq, bk)
     # Elementwise extra: every pair when a mask or bias tensor is read per pair (a relative
-    # table is read in the same pass as the scale: no extra), and the pairs of tiles a band,
-    # layout or mask cuts through (their rows are masked column by column).
+    # table is read in the same pass as the scale: no extra); and the pairs of tiles a
+    # window cuts through, which calibration finds cost about as much again (a causal band
+    # cuts one tile per query block: no extra found there).
     dense = (call.mask is not None and (whole_mask or not callable(call.mask))) or (
         call.bias is not None and (whole_bias or not callable(call.bias))
     )
-    extra = (pairs if dense else 0.0) + visit.evaluated
+    extra = pairs if dense else 0.0
+    if windowed(mask_fn):
+        extra += visit.evaluated
     share = pairs / max(1, work.i * work.j)
     how = f"{visit.tiles} tiles of {bq} x {bk}, {share:.0%} of pairs"
     if words:

@@ -121,7 +121,8 @@ def _forward(q, k, v, bias, p: Plan, s: Setup):
         return out, q.new_full((nb, h, ni), blocked(acc), dtype=acc), shift, None, None
     kernel = build.load()
     q_, k_, v_ = (t.to(s.dtype) for t in (q, k, v))
-    bad = None if all_finite(v_) else ~torch.isfinite(v_)  # (b, h_kv, j, dv)
+    # (b, h_kv, j, dv), contiguous: the kernel reads it as laid out, whatever v's strides
+    bad = None if all_finite(v_) else (~torch.isfinite(v_)).contiguous()
     if bad is not None:
         v_ = v_.masked_fill(bad, 0.0)
     if s.packed:

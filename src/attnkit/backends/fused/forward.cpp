@@ -183,6 +183,7 @@ void forward(const Tensor& q, const Tensor& k_t, const Tensor& v, const Tensor& 
               "fused forward: q, k_t, v must be contiguous");
   TORCH_CHECK(out.is_contiguous() && lse.is_contiguous() && shift.is_contiguous(),
               "fused forward: outputs");
+  TORCH_CHECK(!bad || bad->is_contiguous(), "fused forward: bad must be contiguous");
   switch (q.scalar_type()) {
     case at::kFloat:
       forward_kernel<float, float>(
