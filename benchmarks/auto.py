@@ -204,8 +204,8 @@ def render(rows: list[dict], command: str, elapsed: float, repeats: int) -> str:
         "h=8, d=64; b = 4 up to n = 1024, 2 at 2048, 1 "
         f"from 4096. Each cell is a fresh process that interleaves, round by round, every "
         f'backend able to serve the call and `backend="auto"`; times are medians of {repeats} '
-        "rounds. The machine is shared with other work, so single cells move by 5-20 % "
-        "between runs; auto's time includes its dispatch and is measured in the same rounds "
+        "rounds. Single cells move by 5-20 % between runs on this machine; auto's time "
+        "includes its dispatch and is measured in the same rounds "
         "as the backend it picks (`chosen ms`), so auto / fastest above 1 with auto on the "
         "fastest backend is noise between two runs of the same code.",
         "",
