@@ -70,7 +70,7 @@ def test_per_head_and_float_attn_masks_equal_torch() -> None:
 
 
 def test_cross_attention_kdim_vdim_equals_torch() -> None:
-    e, h, b, i, j = 16, 2, 2, 5, 9  # key length differs from the query's (the brief's bug)
+    e, h, b, i, j = 16, 2, 2, 5, 9  # key length != query length: catches one used for the other
     ref = _torch_mha(e, h, kdim=6, vdim=10)
     mha = MultiHeadAttention.from_torch(ref)
     assert mha.in_proj is None and mha.k_proj is not None

@@ -39,7 +39,7 @@ def torch_oracle(q, k, v, mask=None, bias=None, is_causal=False, scale=None):
     return out
 
 
-def test_worked_example_from_the_brief() -> None:
+def test_worked_example_computed_by_hand() -> None:
     q = torch.tensor([[1.0, 2.0]])
     k = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     v = torch.tensor([[0.5, 0.3], [0.8, 0.2], [0.1, 0.9]])
@@ -180,7 +180,7 @@ def test_large_logits_are_stable() -> None:
 
 
 def naive_attention(q, k, v, mask=None):
-    """The plain PyTorch path in the inputs' own precision (the brief's formula)."""
+    """The plain PyTorch path in the inputs' own precision: softmax(q k^T / sqrt(d)) v."""
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(q.dtype).min)
