@@ -9,6 +9,8 @@ folder): the first run of this file compiles it (about a minute), later runs loa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -268,3 +270,9 @@ def test_the_build_is_cached_by_source_flags_and_torch(tmp_path, monkeypatch) ->
     key = build.build_key()
     monkeypatch.setattr(build, "flags", lambda: ["-O0"])
     assert build.build_key() != key and len(key) == 16
+    # another install of the same sources (its build files name other paths): its own folder
+    flagged = build.build_key()
+    monkeypatch.setattr(build, "HERE", tmp_path)
+    for name in build.SOURCES:
+        (tmp_path / name).write_bytes((Path(build.__file__).parent / name).read_bytes())
+    assert build.build_key() != flagged

@@ -4,9 +4,9 @@ The C++ sources ship inside the package (``fused.h``, ``forward.cpp``, ``backwar
 ``module.cpp``) and are compiled on first use with ``torch.utils.cpp_extension.load`` (a C++
 compiler and ninja), never at install time. The result is cached under
 ``$XDG_CACHE_HOME/attnkit/torch_extensions`` (``~/.cache`` when unset; ``ATTNKIT_CACHE_DIR``
-overrides the whole path), in a folder named by a hash of the sources, the compiler flags and
-the torch version, so a changed source or another torch builds anew and a cached build loads in
-about a second.
+overrides the whole path), in a folder named by a hash of the sources, the compiler flags, the
+torch version and the sources' location, so a changed source, another torch or another install
+builds anew and a cached build loads in about a second.
 
 Compiler flags: ATen's vectorised types (``at::vec::Vectorized``) are compiled for the CPU class
 torch itself dispatches to on this machine (``torch.backends.cpu.get_cpu_capability()``:
@@ -77,8 +77,10 @@ def cache_dir() -> Path:
 
 
 def build_key() -> str:
-    """A hash of the sources, the flags, the CPU class and the torch version."""
-    digest = hashlib.sha256()
+    """A hash of the sources, the flags, the CPU class, the torch version and where the sources
+    are (the build files name them by path: two installs sharing a cache would otherwise
+    rebuild each other's build in turn)."""
+    digest = hashlib.sha256(str(HERE).encode())
     for name in SOURCES:
         digest.update(name.encode())
         digest.update((HERE / name).read_bytes())
