@@ -276,15 +276,26 @@ def price(rates: Rates, terms: Terms, work: _Work) -> float:
     return work.slow * (seconds + rates.pair * terms.extra + EVAL * terms.ops)
 
 
-def _priced(name: str, terms_fn):
-    """A cost function from a terms function and the ``RATES`` rows of backend ``name``."""
+def _priced(name: str, terms_fn, float64: float = 1.0):
+    """A cost function from a terms function and the ``RATES`` rows of backend ``name``;
+    ``float64``: how much slower than ``_ROW``'s price the backend runs float64."""
 
     def cost(call: AttentionCall) -> Estimate:
         work = _work(call)
         terms = terms_fn(work)
-        return Estimate(price(_rates(name, work), terms, work), terms.materialised, terms.how)
+        seconds = price(_rates(name, work), terms, work)
+        if float64 != 1.0 and call.query.dtype == torch.float64:
+            seconds *= float64
+        return Estimate(seconds, terms.materialised, terms.how)
 
     return cost
+
+
+def _relative_ops(work: _Work, fn) -> float:
+    """Element-ops of a relative bias function evaluated once on the ``i + j - 1`` offsets,
+    as the tiled backend's table (and the fused kernel's) does."""
+    offsets = work.i + work.j - 1 if work.i and work.j else 0
+    return _fn(work, fn, (1, work.h, 1, offsets)).ops
 
 
 # Torch's fused kernel and the reference: dense masks and biases, built when given functions.
@@ -415,8 +426,7 @@ def tiled_terms(work: _Work, *, gather: bool = False, block: int | None = None) 
         ops += _fn(work, call.mask).ops * visit.evaluated / (work.i * work.j)
     if callable(call.bias):
         if structure_of(call.bias).relative:
-            offsets = work.i + work.j - 1 if work.i and work.j else 0  # as tiled's table
-            ops += _fn(work, call.bias, (1, work.h, 1, offsets)).ops
+            ops += _relative_ops(work, call.bias)
         else:
             ops += _fn(work, call.bias).ops * visit.pairs / max(1, work.i * work.j)
     if work.grad:
@@ -458,9 +468,8 @@ def fused_terms(work: _Work) -> Terms:
             ops += f.ops
             built += f.out_bytes + f.temp_bytes
             words.append(f"the {name} function")
-    if bias_fn is not None and not whole_bias:  # relative: one table of i + j - 1 offsets
-        offsets = work.i + work.j - 1 if work.i and work.j else 0
-        ops += _fn(work, bias_fn, (1, work.h, 1, offsets)).ops
+    if bias_fn is not None and not whole_bias:  # relative: one table of offsets
+        ops += _relative_ops(work, bias_fn)
     pairs = visit.pairs
     if bias_fn is not None and not whole_bias and call.softcap is None:
         pairs -= negligible_pairs(work, visit, bq, bk)
@@ -468,10 +477,8 @@ def fused_terms(work: _Work) -> Terms:
     # table is read in the same pass as the scale: no extra); and the pairs of tiles a
     # window cuts through, which calibration finds cost about as much again (a causal band
     # cuts one tile per query block: no extra found there).
-    dense = (call.mask is not None and (whole_mask or not callable(call.mask))) or (
-        call.bias is not None and (whole_bias or not callable(call.bias))
-    )
-    extra = pairs if dense else 0.0
+    dense = whole_mask or whole_bias or isinstance(call.mask, Tensor)
+    extra = pairs if dense or isinstance(call.bias, Tensor) else 0.0
     if windowed(mask_fn):
         extra += visit.evaluated
     share = pairs / max(1, work.i * work.j)
@@ -484,15 +491,6 @@ def fused_terms(work: _Work) -> Terms:
 # The fused kernel's float64 is a plain loop (for checking): about 8x its float32 time, where
 # _ROW prices float64 at twice float32.
 _FUSED_FLOAT64 = 4.0
-
-
-def fused_cost(call: AttentionCall) -> Estimate:
-    work = _work(call)
-    terms = fused_terms(work)
-    seconds = price(_rates("fused", work), terms, work)
-    if call.query.dtype == torch.float64:
-        seconds *= _FUSED_FLOAT64
-    return Estimate(seconds, terms.materialised, terms.how)
 
 
 TERMS = {
@@ -518,7 +516,7 @@ def estimate(name: str, call: AttentionCall) -> Estimate:
 _COST_FNS = {
     "torch": _priced("torch", torch_terms),
     "tiled": tiled_like("tiled"),
-    "fused": fused_cost,
+    "fused": _priced("fused", fused_terms, float64=_FUSED_FLOAT64),
     "sparse": tiled_like("sparse", gather=True),
     "chunked": chunked_cost,
     "math": _priced("math", math_terms),
