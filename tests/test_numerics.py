@@ -136,6 +136,34 @@ def test_every_backend_puts_nan_where_the_reference_does(call, cast) -> None:
     assert want.dtype == (cast or q.dtype)  # autocast's policy for attention
 
 
+@pytest.mark.parametrize("backend", ["math", "torch", "tiled", "chunked", "auto"])
+@pytest.mark.parametrize("special", SPECIAL)
+@pytest.mark.parametrize("mask_shape", [(5, 1), (2, 1, 5, 1)])
+def test_a_mask_broadcast_over_keys_keeps_non_finite_values_in_their_rows(
+    backend: str, special: float, mask_shape: tuple[int, ...]
+) -> None:
+    """A mask of shape (..., i, 1) says per query whether it sees every key or none. A NaN or
+    infinity in v reaches exactly the output column of every row that sees keys; a row that
+    sees nothing is zeros. The expectation is written out by hand in float64: softmax of the
+    scores times v with the bad entry read as 0, then NaN in its column for the seeing rows."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64)  # 4 query heads ...
+    k = torch.randn(2, 2, 7, 8, generator=g, dtype=torch.float64)  # ... share 2 kv heads
+    v = torch.randn(2, 2, 7, 6, generator=g, dtype=torch.float64)
+    v[1, 0, 4, 2] = special
+    sees = torch.tensor([True, False, True, True, False])  # query 1 and 4 see no key
+    mask = sees.reshape(5, 1).expand(*mask_shape[:-2], 5, 1).clone()
+    out = scaled_dot_product_attention(q, k, v, mask, backend=backend)
+
+    kv = torch.repeat_interleave(torch.arange(2), 2)  # query head -> its kv head
+    weights = torch.softmax(q @ k[:, kv].transpose(-2, -1) / math.sqrt(8), dim=-1)
+    want = weights @ v[:, kv].nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # (2, 4, 5, 6)
+    want[1, 0:2, :, 2] = float("nan")  # query heads 0 and 1 read kv head 0
+    want[:, :, ~sees] = 0.0
+    assert torch.equal(torch.isnan(out), torch.isnan(want))
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12, equal_nan=True)
+
+
 def _ref64(q, k, v, **kwargs):
     """The float64 reference on the same (already rounded) inputs."""
     return scaled_dot_product_attention(

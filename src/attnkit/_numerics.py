@@ -129,5 +129,7 @@ def poison(out: Tensor, visible: Tensor | None, bad: Tensor) -> Tensor:
     if visible is None:
         reach = bad.any(dim=-2, keepdim=True)  # (..., 1, dv)
     else:
+        # A mask broadcast over keys, (..., i, 1), is expanded to (..., i, j) for the product.
+        visible = visible.expand(*visible.shape[:-1], bad.shape[-2])  # (..., i, j)
         reach = (visible.to(out.dtype) @ bad.to(out.dtype)) > 0  # (..., i, dv)
     return out.masked_fill(reach, float("nan"))
