@@ -422,6 +422,81 @@ def test_softcap_and_sinks_equal_their_formulas(h_kv: int) -> None:
             assert bool((out[0, :, 4] == 0).all())
 
 
+@pytest.mark.parametrize(
+    "backend, softcap",
+    [(b, None) for b in ("math", "tiled", "chunked", "torch", "fused", "auto")]
+    + [(b, 2.0) for b in ("math", "tiled", "chunked", "auto")],  # torch and fused decline it
+)
+def test_a_minus_inf_bias_masks_with_and_without_softcap(backend: str, softcap) -> None:
+    """A -inf bias blocks its key on every backend, soft-capped or not; a row of -inf gives
+    zeros; finite bias entries are added to the capped scores (the formula, float64)."""
+    q, k, v = rand(2, 3, 6, 4, seed=3), rand(2, 3, 6, 4, seed=4), rand(2, 3, 6, 5, seed=5)
+    bias = rand(2, 1, 6, 6, seed=6)
+    bias[..., 1] = float("-inf")  # column 1 blocked everywhere
+    bias[:, :, 4] = float("-inf")  # row 4 blocked entirely
+    keep = torch.isfinite(bias)
+    s = q @ k.transpose(-2, -1) / 2.0
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    e = torch.exp(s + bias.masked_fill(~keep, 0.0)) * keep
+    want = e / e.sum(-1, keepdim=True).clamp_min(1e-300) @ v
+    fn = lambda b, h, i, j: bias[b, 0, i, j]  # noqa: E731  (the same bias as a function)
+    for form in (bias, fn):
+        try:
+            out = sdpa(q, k, v, bias=form, softcap=softcap, backend=backend)
+        except BackendUnavailable as exc:  # the fused kernel needs a compiler
+            if backend != "fused":
+                raise
+            pytest.skip(str(exc))
+        torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+        assert bool((out[:, :, 4] == 0).all())
+
+
+# transformers models whose eager attention takes softcap= (each caps, then adds the mask)
+SOFTCAPPED = ["gemma2", "gemma3", "gemma3n", "gemma4", "t5gemma", "t5gemma2", "vaultgemma"]
+
+
+@pytest.mark.parametrize("model", SOFTCAPPED)
+def test_softcap_with_a_float_mask_equals_transformers_eager(
+    model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' eager attention of every soft-capped model caps ``q.k * scale`` and then
+    adds the float attention mask: finite entries shift the capped scores, large negative ones
+    block. attnkit's ``bias=`` is that mask, on every backend that caps, with gradients (the
+    mask's too). Eager's softmax upcasts to float32 even in float64; only that rounding is
+    removed here."""
+    import types
+
+    eager = pytest.importorskip(f"transformers.models.{model}.modeling_{model}")
+    original = F.softmax
+
+    def softmax(input, dim=None, _stacklevel=3, dtype=None):  # type: ignore[no-untyped-def]
+        if input.dtype == F64 and dtype == torch.float32:
+            dtype = None
+        return original(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+
+    monkeypatch.setattr(F, "softmax", softmax)
+    module = types.SimpleNamespace(num_key_value_groups=2, training=False, head_dim=8)
+    q0, k0, v0 = rand(2, 4, 7, 8, seed=7) * 3, rand(2, 2, 9, 8, seed=8), rand(2, 2, 9, 8, seed=9)
+    mask0 = rand(2, 1, 7, 9, seed=10)  # finite shifts, some columns blocked as transformers does
+    mask0[1, :, :, :3] = torch.finfo(F64).min
+    mask0[0, :, 2, 5] = float("-inf")
+    results = []
+    for backend in ("eager", "math", "tiled", "chunked", "auto"):
+        q, k, v, mask = (t.clone().requires_grad_() for t in (q0, k0, v0, mask0))
+        if backend == "eager":
+            out, _ = eager.eager_attention_forward(module, q, k, v, mask, softcap=1.5)
+            out = out.transpose(1, 2)  # (b, i, h, d) -> (b, h, i, d)
+        else:
+            out = sdpa(q, k, v, bias=mask, softcap=1.5, scale=8**-0.5, backend=backend)
+        weight = torch.linspace(-1, 1, out.numel(), dtype=F64).view_as(out)
+        grads = torch.autograd.grad((out * weight).sum(), (q, k, v, mask))
+        results.append((out, *(g.nan_to_num(posinf=0.0, neginf=0.0) for g in grads)))
+    for got in results[1:]:
+        for a, b in zip(results[0], got, strict=True):
+            torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-10)
+
+
 def test_softcap_and_sinks_are_validated_and_declined_by_torch() -> None:
     q = torch.randn(1, 2, 5, 4)
     for bad in (0.0, -1.0, float("inf"), True):

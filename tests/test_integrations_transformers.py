@@ -227,6 +227,27 @@ def test_t5_relative_position_bias_equals_eager(weights: bool) -> None:
         assert max(float((a - b).abs().max()) for a, b in pairs) < 1e-10
 
 
+@pytest.mark.parametrize("dtype", ["float", "bool"])
+def test_a_4d_mask_on_a_soft_capped_model_equals_eager(dtype: str, float64_eager: None) -> None:
+    """A ready-made 4-D ``attention_mask`` reaches attention as given; on Gemma 2 eager caps
+    the scores and then adds a float one, so its finite entries shift the capped scores and
+    its minimum blocks (a float mask was once capped with the scores and masked nothing).
+    A bool mask means the same as its float form."""
+    model = _model("gemma2")
+    ids, mask = _batch(True, left=True)
+    keep = torch.ones(N, N, dtype=torch.bool).tril() & mask.bool()[:, None, None, :]
+    real = keep.any(-1).squeeze(1)  # (b, i): rows that see a key
+    shift = torch.randn(3, 1, N, N, dtype=torch.float64, generator=torch.Generator())
+    if dtype == "bool":  # eager adds a mask as it is: it gets the bool mask's float form
+        shift = torch.zeros_like(shift)
+    additive = torch.where(keep, shift, torch.finfo(torch.float64).min)
+    expected = _run(model, "eager", ids, additive)
+    got = _run(model, NAME, ids, keep if dtype == "bool" else additive)
+    assert (got.logits - expected.logits)[real].abs().max() < 1e-10
+    for ours, theirs in zip(got.hidden_states, expected.hidden_states, strict=True):
+        assert (ours - theirs)[real].abs().max() < 1e-10
+
+
 def test_stock_eager_rounds_its_softmax() -> None:
     """Why ``float64_eager`` exists: without it, eager's float32 softmax is the difference."""
     model = _model("llama")

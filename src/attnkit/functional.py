@@ -8,7 +8,8 @@ Shape vocabulary (used in every comment below):
 The reference (``attention_math``) is the specification every fast backend is tested against
 (Vaswani et al. 2017, "Attention Is All You Need", section 3.2.1)::
 
-    scores  = (Q @ K^T) * scale + bias        # (..., h, i, j), scale defaults to 1/sqrt(d)
+    scores  = (Q @ K^T) * scale               # (..., h, i, j), scale defaults to 1/sqrt(d)
+    scores  = softcap(scores) + bias          # softcap: optional, caps Q.K only (see below)
     scores  = scores where mask else -big     # mask: True = may attend; so is a -inf score
     weights = softmax(scores) * mask          # a fully masked row becomes all zeros
     weights = dropout(weights)                # training only; the caller passes dropout_p=0 at eval
@@ -84,8 +85,13 @@ def scaled_dot_product_attention(
         backend: ``"auto"`` (torch's fused kernel when it can serve the call, else the math),
             ``"math"`` (the reference below), ``"torch"``, or any registered backend.
         generator: random generator for dropout, for reproducible masks.
-        softcap: caps the scores, ``softcap * tanh((scale * q.k + bias) / softcap)``, before
-            masking (logit soft-capping, Gemma 2).
+        softcap: caps the scaled dot products, ``softcap * tanh(scale * q.k / softcap)``
+            (logit soft-capping, Gemma 2); ``bias`` is added after the cap, uncapped, and masks
+            apply last. So a ``-inf`` bias still blocks its key (a row of ``-inf`` gives
+            zeros), and a float attention mask or a relative bias shifts the capped scores, as
+            in transformers' eager attention of every soft-capped model (Gemma 2 and 3,
+            T5Gemma, VaultGemma: ``tanh`` on ``q.k``, then ``+ attention_mask``) and in
+            FlashAttention's ``softcap``. To cap a bias too, add it inside a ``score_mod``.
         sinks: ``(h,)``, one learned logit per query head that joins each row's softmax
             denominator without contributing a value, so a row's weights may sum to less than
             one: ``w_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))`` (the attention sinks of
@@ -315,10 +321,10 @@ def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         bias = None if bias is None else _grouped(bias, ndim, h_kv, g)
 
     scores = (q.to(compute) @ k.to(compute).transpose(-2, -1)) * call.scale  # (..., i, j)
-    if bias is not None:
-        scores = scores + bias
     if call.softcap is not None:  # logit soft-capping (Gemma Team 2024, Gemma 2, section 2)
         scores = call.softcap * torch.tanh(scores / call.softcap)
+    if bias is not None:  # after the cap, so an additive -inf still blocks (Gemma 2's eager)
+        scores = scores + bias
     visible = mask
     minus_inf = torch.isneginf(scores)  # an additive -inf blocks its key, as a mask does
     if bool(minus_inf.any()):

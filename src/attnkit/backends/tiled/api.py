@@ -113,8 +113,8 @@ def tiled_attention(
     fewer, larger matmuls for sparse layouts (the ``sparse`` backend). ``softcap`` and
     ``sinks`` ``(h,)`` as in ``scaled_dot_product_attention``; gradients reach ``sinks``.
 
-    ``score_mod(score, b, h, i, j) -> score`` (FlexAttention's) rewrites each tile's scaled,
-    biased scores ``(b, h, bi, bj)`` before soft-capping and masking; gradients flow through it,
+    ``score_mod(score, b, h, i, j) -> score`` (FlexAttention's) rewrites each tile's scaled
+    (soft-capped, then biased) scores ``(b, h, bi, bj)`` before masking; gradients flow through it,
     into the tensors it captures too. ``return_lse=True`` also returns the natural
     log-sum-exp of each row ``(b, h, i)`` (not differentiable).
     """

@@ -100,7 +100,8 @@ def backward(
     A sink is a key with logit ``sink_h`` and value 0, so its weight ``exp(sink_h - lse)``
     enters only through the row's log-sum-exp, and its gradient is
     ``-sum_i exp(sink_h - lse_i) * D_i`` with ``D = rowsum(dO * O)``. With ``softcap`` the
-    score gradient is multiplied by ``1 - tanh^2``, recomputed from the capped logits.
+    gradient of ``q.k`` is multiplied by ``1 - tanh^2`` (recomputed from the capped scores,
+    before the bias is added); the bias's own gradient is taken before that factor.
 
     ``out`` is the output before non-finite values of ``v`` were turned into NaN, and
     ``grad_out`` is zero where they were: those entries carry no gradient, as in the
@@ -128,7 +129,6 @@ def backward(
     if want_dbias and spec.bias is not None:
         dbias = torch.zeros(spec.bias.shape, dtype=dtype, device=q.device)
     dsink_rows = None if sinks is None else torch.zeros_like(lse2)  # (b * h_kv, i * g)
-    cap = None if spec.softcap is None else spec.softcap * LOG2E
     dleaves: list[Tensor | None] = [None] * len(leaves)
     for i0 in range(0, tiles.ni, spec.block_q):
         i1 = min(tiles.ni, i0 + spec.block_q)
@@ -163,25 +163,23 @@ def backward(
             )  # the tensors themselves when all heads are computed
             record: dict[str, Tensor] = {}
             mod = None if spec.score_mod is None else _recording_mod(tiles, i0, i1, sel, record)
-            s = tiles.logits(q2_h, k_th, allowed, head_tile(bias, lo, hi), mod)
-            # d capped / d raw = 1 - tanh^2 (blocked positions: 0, whatever they hold)
-            slope = None if cap is None else s.div(cap).square_().neg_().add_(1.0).clamp_min_(0)
+            s, slope = tiles.logits_and_slope(q2_h, k_th, allowed, head_tile(bias, lo, hi), mod)
             p = exp2_shifted(s, heads(lse_blk, nb, lo, hi), tiles.flush_below, tiles.blocked)
             dp = bmm(do_h, v_th)  # (b * heads, rows, bj)
             ds = dp.sub_(heads(delta, nb, lo, hi)).mul_(p)  # d loss / d scores
-            if slope is not None:
-                ds.mul_(slope)
             if record:  # through the score modification, into what it captured
                 ds = _through_mod(tiles, ds, record, leaves, dleaves)
             if nan_rows and allowed is not None:
                 hidden = ~head_tile(allowed, lo, hi).expand_as(unflat(s, nb))
                 unflat(p, nb).masked_fill_(hidden, 0.0)
                 unflat(ds, nb).masked_fill_(hidden, 0.0)
+            if dbias is not None:  # the bias is added after the cap: its gradient is ds here
+                _add_dbias(dbias, ds, tiles, i0, i1, sel)
+            if slope is not None:  # through the cap: d capped / d raw = 1 - tanh^2
+                ds.mul_(slope)
             add_heads(dq_blk, nb, lo, hi, bmm(ds, k_h))
             add_keys(dv, sel, nb, lo, hi, bmm(p.transpose(1, 2), do_h))
             add_keys(dk, sel, nb, lo, hi, bmm(ds.transpose(1, 2), q_h))
-            if dbias is not None:
-                _add_dbias(dbias, ds, tiles, i0, i1, sel)
         if tiles.reverse:
             dq[:, r0:r1] = tiles.queries(dq_blk)
     dq.mul_(spec.scale)

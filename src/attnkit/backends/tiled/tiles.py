@@ -42,7 +42,8 @@ BLOCK_K_BIAS = 512
 Sel = slice | Tensor  # the keys of a tile: a contiguous slice, or gathered indices (sparse)
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 """``score_mod(score, b, h, i, j) -> score``: FlexAttention's score modification; ``score`` is
-the scaled (and biased) score of a tile ``(b, h, bi, bj)``, positions are absolute."""
+the scaled (soft-capped, then biased) score of a tile ``(b, h, bi, bj)``, positions are
+absolute."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class Spec:
     block_q: int = BLOCK_Q
     block_k: int = BLOCK_K
     gather: bool = False  # visit each query block's key ranges as one gathered group (sparse)
-    softcap: float | None = None  # scores become softcap * tanh(scores / softcap), natural units
+    softcap: float | None = None  # q.k * scale becomes softcap * tanh(. / softcap), before bias
     score_mod: ScoreMod | None = None  # score_mod(score, b, h, i, j) -> score, natural units
 
     @property
@@ -260,17 +261,47 @@ class Tiles:
         bias: Tensor | None,
         mod: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor:
-        """Base-2 logits ``(b * h_kv, rows, bj)`` of a tile: scores, bias, ``mod`` (the score
-        modification, see ``score_mod``), soft-capping, mask, in that order.
+        """Base-2 logits ``(b * h_kv, rows, bj)`` of a tile: scores, soft-capping, bias, ``mod``
+        (the score modification, see ``score_mod``), mask, in that order (the reference's).
 
         ``q2`` ``(b * h_kv, rows, d)`` is the query block already multiplied by
         ``scale * log2(e)``; ``k_tt`` ``(b * h_kv, d, bj)`` the key tile, transposed;
         ``allowed`` and ``bias`` as returned by ``allowed`` and ``bias``.
         """
+        return self._logits(q2, k_tt, allowed, bias, mod, with_slope=False)[0]
+
+    def logits_and_slope(
+        self,
+        q2: Tensor,
+        k_tt: Tensor,
+        allowed: Tensor | None,
+        bias: Tensor | None,
+        mod: Callable[[Tensor], Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``logits`` and, with soft-capping, its slope ``d capped / d raw = 1 - tanh^2``
+        ``(b * h_kv, rows, bj)`` (None without): the backward's chain rule through the cap."""
+        return self._logits(q2, k_tt, allowed, bias, mod, with_slope=True)
+
+    def _logits(
+        self,
+        q2: Tensor,
+        k_tt: Tensor,
+        allowed: Tensor | None,
+        bias: Tensor | None,
+        mod: Callable[[Tensor], Tensor] | None,
+        with_slope: bool,
+    ) -> tuple[Tensor, Tensor | None]:
         s = bmm(q2, k_tt)  # (b * h_kv, rows, bj)
         softcap = self.spec.softcap
         if bias is None and allowed is None and softcap is None and mod is None:
-            return s
+            return s, None
+        slope = None
+        if softcap is not None:  # logit soft-capping (Gemma 2) of q.k alone, base-2 units
+            cap = softcap * LOG2E
+            s.div_(cap).tanh_()
+            if with_slope:
+                slope = s.square().neg_().add_(1.0)
+            s.mul_(cap)
         s4 = unflat(s, self.nb)  # (b, h_kv, rows, bj), same memory
         if bias is not None and bias.dim() == 5:  # a relative view (1, h_kv, queries, g, bj)
             s4.view(*s4.shape[:2], -1, self.g, s4.shape[3]).add_(bias, alpha=LOG2E)
@@ -279,12 +310,9 @@ class Tiles:
         if mod is not None:
             s = mod(s)
             s4 = unflat(s, self.nb)
-        if softcap is not None:  # logit soft-capping (Gemma 2), in base-2 units
-            cap = softcap * LOG2E
-            s.div_(cap).tanh_().mul_(cap)
         if allowed is not None:
             s4.masked_fill_(~allowed, self.blocked)
-        return s
+        return s, slope
 
 
 def _width(sel: Sel) -> int:
