@@ -3,6 +3,8 @@ and the charts at the top of that page.
 
 Each script owns one section of ``docs/benchmarks.md``, delimited by
 ``<!-- begin:NAME -->`` / ``<!-- end:NAME -->``; rewriting it leaves the other sections alone.
+The site shows a summary of each section on the benchmarks page and all of it on the log page
+(``docs/hooks.py``: what comes before a ``<!-- more -->`` line, else up to the first table's end).
 Charts are PNGs in ``docs/images/benchmarks/``, drawn by ``write_chart`` from the rows a script
 measured (``benchmarks/charts.py`` redraws them from the tables already recorded).
 """
@@ -19,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -196,7 +199,7 @@ def write_chart(
                 handles.append(handle)
                 labels.append(text)
     columns = min(len(labels), 2 * len(panels))
-    fig.suptitle(title, fontsize=11)
+    fit_title(fig, title, fontsize=11)
     fig.legend(handles, labels, loc="lower center", ncols=columns, fontsize=9, frameon=False)
     rows_of_legend = -(-len(labels) // columns)
     fig.tight_layout(rect=(0, 0.03 + 0.06 * rows_of_legend, 1, 1))
@@ -209,6 +212,21 @@ def write_chart(
     image.save(out, format="png", optimize=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     return atomic_write_bytes(out_dir / f"{name}.png", out.getvalue())
+
+
+def fit_title(fig: Any, title: str, *, fontsize: float) -> Any:
+    """``fig``'s title, broken at spaces into as many lines as it needs to fit the figure's width
+    (one line wider than the figure is cut off at both edges of the picture)."""
+    import textwrap
+
+    text = fig.suptitle(title, fontsize=fontsize)
+    renderer = fig.canvas.get_renderer()
+    room = 0.96 * fig.bbox.width
+    width = len(title)
+    while width > 10 and text.get_window_extent(renderer).width > room:
+        width -= max(1, width // 20)
+        text.set_text(textwrap.fill(title, width))
+    return text
 
 
 def _drawable(value: object, log_y: bool) -> bool:

@@ -4,6 +4,19 @@ A line ``<!-- include:benchmarks:NAME -->`` on a page becomes the section betwee
 ``<!-- begin:NAME -->`` and ``<!-- end:NAME -->`` of docs/benchmarks.md (written by a script in
 benchmarks/), so the numbers a page shows are always the last measured ones. A section that has
 not been measured yet becomes a note saying so: the docs never show invented numbers.
+
+docs/benchmarks.md holds every measured section in full (the scripts write there, and
+``benchmarks/charts.py`` reads its tables back), but the site shows it on two pages:
+
+- the benchmarks page keeps, of each section, its summary: what comes before a line
+  ``<!-- more -->`` in the section, or, without one, everything up to the end of its first
+  table (the whole section when only prose follows that table); the rest is replaced by a link
+  to the same section on the log page;
+- the log page (docs/benchmarks-log.md) shows every section in full where it has the line
+  ``<!-- include:benchmarks:all -->``.
+
+A script that rewrites its section drops a ``<!-- more -->`` line, so its summary falls back to
+the first table.
 """
 
 from __future__ import annotations
@@ -14,6 +27,10 @@ from typing import Any
 
 BENCHMARKS = Path(__file__).resolve().parent / "benchmarks.md"
 INCLUDE = re.compile(r"^<!-- include:benchmarks:([\w-]+) -->$", flags=re.M)
+SECTION = re.compile(r"<!-- begin:([\w-]+) -->\n?(.*?)<!-- end:\1 -->", flags=re.S)
+MORE = re.compile(r"^<!-- more -->\n?", flags=re.M)
+LOG_PAGE = "benchmarks-log.md"
+ALL = "<!-- include:benchmarks:all -->"
 
 
 def benchmark_section(name: str, doc: Path = BENCHMARKS) -> str | None:
@@ -43,5 +60,64 @@ def include_benchmarks(markdown: str, doc: Path = BENCHMARKS) -> str:
     return INCLUDE.sub(replace, markdown)
 
 
-def on_page_markdown(markdown: str, **kwargs: Any) -> str:
+def _first_table_end(body: str) -> int | None:
+    """The offset just past the first pipe table of ``body``, or None when it has none."""
+    lines = body.splitlines(keepends=True)
+    offset, in_table = 0, False
+    for at, line in enumerate(lines):
+        is_row = line.lstrip().startswith("|") and line.rstrip().endswith("|")
+        header = (
+            is_row
+            and at + 1 < len(lines)
+            and re.fullmatch(r"\s*\|(\s*:?-+:?\s*\|)+\s*", lines[at + 1])
+        )
+        if in_table and not is_row:
+            return offset
+        in_table = in_table or bool(header)
+        offset += len(line)
+    return offset if in_table else None
+
+
+def _anchor(body: str) -> str:
+    """The id the site gives the section's first heading (``#...``), or "" without one."""
+    from markdown.extensions.toc import slugify
+
+    heading = re.search(r"^#+ (.+)$", body, flags=re.M)
+    if heading is None:
+        return ""
+    text = re.sub(r"[`*]", "", heading.group(1))
+    return "#" + slugify(text, "-")
+
+
+def summarize_benchmarks(markdown: str, log_page: str = LOG_PAGE) -> str:
+    """The benchmarks page as the site shows it: each measured section cut to its summary."""
+
+    def cut(match: re.Match[str]) -> str:
+        name, body = match.group(1), match.group(2)
+        more = MORE.search(body)
+        end = more.start() if more else _first_table_end(body)
+        rest = "" if end is None else MORE.sub("", body[end:])
+        if not more and _first_table_end(rest) is None and not re.search(r"^#", rest, re.M):
+            rest = ""  # only prose after the first table: the section is its own summary
+        if rest.strip():
+            link = f"This section's every table, command and earlier run: [the log]({log_page}"
+            body = f"{body[:end].rstrip()}\n\n{link}{_anchor(body)}).\n"
+        return f"<!-- begin:{name} -->\n{MORE.sub('', body)}<!-- end:{name} -->"
+
+    return SECTION.sub(cut, markdown)
+
+
+def benchmarks_log(markdown: str, doc: Path = BENCHMARKS) -> str:
+    """The log page: ``<!-- include:benchmarks:all -->`` becomes every section in full."""
+    text = doc.read_text(encoding="utf-8") if doc.exists() else ""
+    sections = [MORE.sub("", m.group(2)).strip() for m in SECTION.finditer(text)]
+    return markdown.replace(ALL, "\n\n".join(sections))
+
+
+def on_page_markdown(markdown: str, page: Any = None, **kwargs: Any) -> str:
+    name = page.file.src_uri if page is not None else ""
+    if name == "benchmarks.md":
+        return summarize_benchmarks(markdown)
+    if name == LOG_PAGE:
+        return benchmarks_log(markdown)
     return include_benchmarks(markdown)

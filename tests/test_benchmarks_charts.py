@@ -103,6 +103,26 @@ def test_write_chart_draws_what_was_measured(tmp_path: Path) -> None:
         report.write_chart("y", [], panels=[("s", "time", "s")], title="t", out_dir=tmp_path)
 
 
+def test_a_long_chart_title_is_wrapped_inside_the_picture() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, _ = plt.subplots(1, 2, figsize=(8.4, 4.0))
+    title = "transformers models with attn_implementation = attnkit, sdpa, eager " * 2
+    renderer = fig.canvas.get_renderer()
+    one_line = fig.text(0.5, 0.5, title, fontsize=11).get_window_extent(renderer)
+    assert one_line.width > fig.bbox.width  # on one line it would be cut off
+    text = report.fit_title(fig, title, fontsize=11)
+    box = text.get_window_extent(renderer)
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.width and box.y1 <= fig.bbox.height
+    assert text.get_text().replace("\n", " ") == title.strip()  # the words, all of them
+    short = report.fit_title(fig, "short", fontsize=11)
+    assert short.get_text() == "short"
+    plt.close(fig)
+
+
 def test_recorded_tables_read_back(tmp_path: Path) -> None:
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# B\n\n<!-- begin:x -->\nhello\n<!-- end:x -->\n")

@@ -93,6 +93,45 @@ def test_mkdocs_build_strict(built_site: Path) -> None:
         assert (built_site / page).is_file(), page
 
 
+_MEASURE = """() => {
+  const column = document.querySelector('.md-content__inner').getBoundingClientRect().width;
+  const codes = [...document.querySelectorAll('.md-typeset pre > code')];
+  const tables = [...document.querySelectorAll('.md-typeset table')];
+  return {
+    height: document.documentElement.scrollHeight,
+    code: codes.length,
+    cut: codes.filter(c => c.scrollWidth > c.clientWidth + 1).length,
+    wide: tables.filter(t => t.getBoundingClientRect().width > column + 1).length,
+  };
+}"""
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_code_and_tables_fit_the_column_in_chromium(built_site: Path) -> None:
+    """In a 1280 x 900 window, no code block hides its line ends (the "# result" comments)
+    behind a scroll bar, no table is wider than the column, and the benchmarks page is a summary
+    (57,000 px tall with every run log on it; about 14,000 px without)."""
+    from playwright.sync_api import sync_playwright
+
+    from test_viz_browser import ARGS, CHROMIUM
+
+    pages = ["index.html", "migration/index.html", "pitfalls/index.html"]
+    pages += [f"concepts/{p.stem}/index.html" for p in sorted((DOCS / "concepts").glob("*.md"))]
+    pages += ["benchmarks/index.html", "benchmarks-log/index.html"]
+    found = {}
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        for rel in pages:
+            page.goto((built_site / rel).as_uri())
+            found[rel] = page.evaluate(_MEASURE)
+        browser.close()
+    assert sum(f["code"] for f in found.values()) > 50
+    assert all(f["cut"] == 0 and f["wide"] == 0 for f in found.values()), found
+    assert found["benchmarks/index.html"]["height"] < 20_000, found["benchmarks/index.html"]
+
+
 # An object's block on an API page: its kind, the heading's id, the heading, and what follows.
 _OBJECT = re.compile(
     r'<div class="doc doc-object doc-(\w+)">\s*<h(\d) id="([^"]+)" class="doc doc-heading">'
@@ -169,14 +208,19 @@ def test_pitfall_tests_exist() -> None:
     assert cited >= 10
 
 
-def _make_figures_module():
+def _docs_module(name: str):
+    """``docs/NAME.py`` as a module (docs/ is no package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_figures", DOCS / "make_figures.py")
+    spec = importlib.util.spec_from_file_location(f"docs_{name}", DOCS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _make_figures_module():
+    return _docs_module("make_figures")
 
 
 def test_every_picture_shown_is_made_by_the_script() -> None:
@@ -221,12 +265,7 @@ def test_make_figures_runs(tmp_path: Path) -> None:
 
 
 def test_benchmark_sections_are_included_not_invented(tmp_path: Path) -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
-    assert spec is not None and spec.loader is not None
-    hooks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hooks)
+    hooks = _hooks()
     doc = tmp_path / "benchmarks.md"
     doc.write_text(
         "# Benchmarks\n\n<!-- begin:x -->\n## Table\n| a |\n|---|\n| 1.5 |\n<!-- end:x -->\n"
@@ -236,6 +275,59 @@ def test_benchmark_sections_are_included_not_invented(tmp_path: Path) -> None:
     assert "#### Table\n| a |\n|---|\n| 1.5 |" in out
     assert "`missing` section of the benchmarks page has not been measured" in out
     assert "<!-- include:" not in out
+
+
+def _hooks():
+    return _docs_module("hooks")
+
+
+def _table_count(markdown: str) -> int:
+    return len(re.findall(r"^\|(\s*:?-+:?\s*\|)+\s*$", markdown, flags=re.M))
+
+
+def test_the_benchmarks_page_shows_a_summary_and_the_log_page_everything(tmp_path: Path) -> None:
+    hooks = _hooks()
+    table = "| a |\n|---|\n| {} |\n"
+    doc = (
+        "# Benchmarks\n\n![chart](images/x.png)\n\n"
+        "<!-- begin:two -->\n## Two `tables` (x.py)\n\nlead\n\n"
+        + table.format(1)
+        + "\nafter\n\n### Earlier run\n\n"
+        + table.format(2)
+        + "<!-- end:two -->\n\n"
+        "<!-- begin:one -->\n## One table\n\n" + table.format(3) + "\nprose only\n"
+        "<!-- end:one -->\n\n"
+        "<!-- begin:marked -->\n## Marked\n\nsummary\n\n<!-- more -->\n\n"
+        + table.format(4)
+        + "<!-- end:marked -->\n"
+    )
+    page = hooks.summarize_benchmarks(doc)
+    assert "![chart](images/x.png)" in page and "lead" in page and "| 1 |" in page
+    assert "| 2 |" not in page and "Earlier run" not in page and "after" not in page
+    assert "(benchmarks-log.md#two-tables-xpy)" in page  # the id the site gives the heading
+    assert "| 3 |" in page and "prose only" in page and "#one-table" not in page
+    assert "summary" in page and "| 4 |" not in page and "(benchmarks-log.md#marked)" in page
+    assert "<!-- more -->" not in page
+    source = tmp_path / "benchmarks.md"
+    source.write_text(doc)
+    log = hooks.benchmarks_log("# Log\n\n<!-- include:benchmarks:all -->\n", source)
+    assert all(f"| {k} |" in log for k in range(1, 5)) and "### Earlier run" in log
+    assert "<!-- more -->" not in log and "<!-- include:" not in log
+
+
+def test_the_benchmarks_page_keeps_one_table_per_section() -> None:
+    hooks = _hooks()
+    text = (DOCS / "benchmarks.md").read_text("utf-8")
+    page = hooks.summarize_benchmarks(text)
+    sections = hooks.SECTION.findall(text)
+    assert sections
+    for name, _ in sections:
+        assert f"<!-- begin:{name} -->" in page  # each section is still there, cut
+    shown = [_table_count(m.group(2)) for m in hooks.SECTION.finditer(page)]
+    assert max(shown) <= 1, shown
+    log = hooks.benchmarks_log((DOCS / "benchmarks-log.md").read_text("utf-8"))
+    assert _table_count(log) == sum(_table_count(body) for _, body in sections)
+    assert len(page) < len(text) / 2
 
 
 def test_every_concept_page_links_to_its_source() -> None:
