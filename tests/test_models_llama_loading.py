@@ -5,6 +5,9 @@ errors for files that are not a Llama model, before any tensor is read."""
 from __future__ import annotations
 
 import json
+import signal
+import struct
+import time
 
 import pytest
 import torch
@@ -131,6 +134,34 @@ def test_truncated_and_foreign_files_give_named_errors(tmp_path) -> None:
     empty_dir.mkdir()
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         read_checkpoint(empty_dir)
+
+
+def test_a_gguf_claiming_2_to_the_40_items_is_refused_in_under_a_second(tmp_path) -> None:
+    """A 4.6 KB file whose token list claims 2**40 entries: every count is checked against the
+    file's size before anything is read, so the refusal names the field at once (an item-by-item
+    reader grows memory until it runs out)."""
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    body = string("general.architecture") + struct.pack("<I", 8) + string("llama")
+    body += string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2**40)
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + body + bytes(4_500))
+
+    def too_slow(signum: int, frame: object) -> None:
+        raise TimeoutError("still reading the header after 2 seconds")
+
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    signal.setitimer(signal.ITIMER_REAL, 2.0)
+    started = time.perf_counter()
+    try:
+        with pytest.raises(CheckpointError, match=r"item count of metadata 'tokenizer\.ggml\.tok"):
+            read_checkpoint(path)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.perf_counter() - started < 1.0
 
 
 def test_bundled_checkpoint_is_checked_without_reading_tensors() -> None:

@@ -7,7 +7,8 @@ Both readers do the same three things, in this order, so a bad file fails before
 allocated:
 
 1. read the configuration (GGUF metadata or ``config.json``) and refuse other architectures by
-   name;
+   name; a GGUF header is parsed by ``attnkit.models.gguf_file``, which checks every count,
+   length and tensor extent against the file's size before it reads or allocates anything;
 2. compare every tensor's name and shape (from the GGUF tensor table or the safetensors header)
    with what ``LlamaModel`` expects, and list every difference;
 3. only then read the tensors: de-quantise GGUF blocks with the ``gguf`` package, undo
@@ -44,6 +45,7 @@ import torch
 from torch import Tensor
 
 from attnkit.models.bert_loading import read_state_dict, read_tensor_shapes
+from attnkit.models.gguf_file import GGUFFormatError, read_header
 from attnkit.models.llama_config import LlamaConfig
 
 __all__ = [
@@ -155,60 +157,58 @@ def read_checkpoint(path: str | os.PathLike[str]) -> LlamaCheckpoint:
 
 def _read_gguf(path: Path) -> LlamaCheckpoint:
     try:
-        from gguf import GGMLQuantizationType, GGUFReader
-        from gguf.quants import dequantize
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.quants import dequantize, quant_shape_to_byte_shape
     except ImportError as err:  # pragma: no cover - the llm extra is installed in CI
         raise _need("gguf") from err
     with path.open("rb") as handle:
         if handle.read(4) != GGUF_MAGIC:
             raise CheckpointError(f"{str(path)!r} is not a GGUF file (no GGUF magic bytes)")
     try:
-        reader = GGUFReader(path, "r")
-    except (ValueError, IndexError, KeyError, OverflowError) as err:
-        # gguf views the tensor table and data through numpy; a file cut short shows up as an
-        # array that cannot take its declared shape.
-        raise CheckpointError(
-            f"{str(path)!r} is truncated or corrupt: the gguf reader failed with {err}"
-        ) from err
-    meta = _gguf_metadata(reader)
+        # Every count, length and tensor extent is checked against the file's size here,
+        # before anything is read or allocated (attnkit.models.gguf_file).
+        header = read_header(path, {int(t): sizes for t, sizes in GGML_QUANT_SIZES.items()})
+    except GGUFFormatError as err:
+        raise CheckpointError(f"{str(path)!r} is truncated or corrupt: {err}") from err
+    meta = header.metadata
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise CheckpointError(
             f"{str(path)!r} holds a {arch!r} model; attnkit reads only the 'llama' architecture"
         )
-    infos = {t.name: t for t in reader.tensors}
+    infos = header.tensors
     config = LlamaConfig.from_gguf_metadata(meta, tie_embeddings="output.weight" not in infos)
 
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise CheckpointError(
-                f"{str(path)!r} is truncated: tensor {t.name!r} ends at byte "
-                f"{t.data_offset + t.n_bytes:,} of a {size:,}-byte file"
-            )
-    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_dequantizable()}
+    floats = {int(GGMLQuantizationType.F32): "f4", int(GGMLQuantizationType.F16): "f2"}
+    # gguf's block de-quantisers read little-endian blocks; plain floats take either order.
+    blocks = set(_dequantizable()) if header.byte_order == "<" else set()
     bad_types = sorted(
-        f"{t.name} ({t.tensor_type.name})" for t in reader.tensors if t.tensor_type not in readable
+        f"{t.name} ({GGMLQuantizationType(t.ggml_type).name})"
+        for t in infos.values()
+        if t.ggml_type not in floats and GGMLQuantizationType(t.ggml_type) not in blocks
     )
     if bad_types:
         raise CheckpointError(f"unsupported tensor types in {str(path)!r}: {bad_types[:5]}")
     groups = _gguf_groups(config)
-    file_shapes = {name: tuple(int(x) for x in reversed(t.shape)) for name, t in infos.items()}
+    file_shapes = {name: t.shape for name, t in infos.items()}
     _check_shapes(path, config, groups, file_shapes)
 
-    def array(name: str) -> np.ndarray:
+    def array(data: np.ndarray, name: str) -> np.ndarray:
         t = infos[name]
-        shape = tuple(int(x) for x in reversed(t.shape))
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            return np.array(t.data, dtype=np.float32).reshape(shape)  # a copy: data is mmapped
-        return dequantize(t.data, t.tensor_type).reshape(shape)
+        raw = data[t.start : t.start + t.n_bytes]
+        if t.ggml_type in floats:
+            values = raw.view(header.byte_order + floats[t.ggml_type]).reshape(t.shape)
+            return values.astype(np.float32)  # a copy: data is mmapped
+        kind = GGMLQuantizationType(t.ggml_type)
+        return dequantize(raw.reshape(quant_shape_to_byte_shape(t.shape, kind)), kind)
 
     def read() -> dict[str, Tensor]:
+        data = np.memmap(path, dtype=np.uint8, mode="r")
         state = {}
         for target, sources in groups.items():
             parts = []
             for name in sources:
-                w = array(name)
+                w = array(data, name)
                 if name.endswith(("attn_q.weight", "attn_k.weight")):
                     heads = config.num_heads if "attn_q" in name else config.num_kv_heads
                     w = unpermute_qk(w, heads)
@@ -223,18 +223,6 @@ def _dequantizable() -> Iterable[Any]:
     from gguf import quants
 
     return quants._type_traits.keys()  # the block formats gguf's numpy code de-quantises
-
-
-def _gguf_metadata(reader: Any) -> dict[str, Any]:
-    meta = {}
-    for key, value in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = value.contents()
-        except Exception as err:
-            raise CheckpointError(f"unreadable GGUF metadata {key!r}: {err}") from err
-    return meta
 
 
 def _gguf_groups(config: LlamaConfig) -> dict[str, list[str]]:
