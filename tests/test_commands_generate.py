@@ -3,6 +3,9 @@ one line on stderr and exit code 2, before the model loads."""
 
 from __future__ import annotations
 
+import html
+import re
+
 import pytest
 import torch
 
@@ -26,6 +29,13 @@ def _one_line(capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     return err
+
+
+def test_help_describes_the_attention_view(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    description = capsys.readouterr().out.split("positional arguments")[0]
+    assert "--show-attention" in description and "explorer" in description
 
 
 @pytest.mark.slow
@@ -87,7 +97,15 @@ def test_show_attention_writes_the_generation_view(tiny_gguf, tmp_path, capsys) 
     page = out.read_text(encoding="utf-8")
     assert '"nq": 5' in page or '"nq":5' in page  # one row per generated token
     assert "each new token" in page
-    assert capsys.readouterr().err.strip() == f"wrote {out}"
+    printed = capsys.readouterr()
+    assert printed.err.strip() == f"wrote {out}"
+    generated = html.escape(printed.out.rstrip("\n").removeprefix("Once"))
+    # The prompt and the answer under their own labels; the rows are the decoder's
+    # self-attention over its own sequence, not cross-attention, though the map is not square.
+    assert '<p class="ak-text">Prompt: <q>Once</q></p>' in page
+    assert f'<p class="ak-text">Generated: <q>{generated}</q></p>' in page
+    assert "Input:" not in page and "cross-attention" not in page
+    assert re.search(r"5 queries × \d+ keys \(causal self-attention", page)
     assert main([*args, "--show-attention", str(tmp_path / "x.png")]) == 2
     assert ".html" in _one_line(capsys)
     assert main([*args, "--show-attention", str(tmp_path / "no" / "x.html")]) == 2

@@ -19,7 +19,12 @@ from typing import Any
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "generate", help="generate text with a small Llama model (bundled SmolLM2-135M-Instruct)"
+        "generate",
+        help="generate text with a small Llama model (bundled SmolLM2-135M-Instruct)",
+        description="Continue a text, or answer it as a chat message with --chat, streaming the "
+        "tokens as they come (greedy unless --temperature is above 0). With --show-attention "
+        "OUT.html it also writes the attention explorer: one row per generated token, its "
+        "attention over the prompt and the tokens before it, for every layer and head.",
     )
     p.add_argument("prompt", help='the text to continue, e.g. "Once upon a time"')
     p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many tokens")
@@ -101,13 +106,23 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     if args.show_attention is not None:
-        path = write_generation_view(model, model.encode(prompt), generated, args.show_attention)
+        path = write_generation_view(
+            model, model.encode(prompt), generated, args.show_attention, prompt_text=args.prompt
+        )
         print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
-def write_generation_view(model: Any, prompt: list[int], new: list[int], path: Path) -> Path:
-    """The explorer with one query row per generated token and a key per position."""
+def write_generation_view(
+    model: Any, prompt: list[int], new: list[int], path: Path, *, prompt_text: str | None = None
+) -> Path:
+    """The explorer with one query row per generated token and a key per position.
+
+    The page shows the prompt (``prompt_text``: what the user typed, default the decoded
+    ``prompt``) and the generated text under their own labels. The map is not square (its rows
+    are the generating positions, its columns every position), but it is the decoder's causal
+    self-attention, and the page says so.
+    """
     from attnkit.viz.explorer import AttentionExplorer
 
     if not new:
@@ -122,6 +137,10 @@ def write_generation_view(model: Any, prompt: list[int], new: list[int], path: P
         [f"→ {name}" for name in names[len(prompt) :]],
         names,
         title="Generation: each new token's attention over the prompt and the cache",
-        text=model.decode(new),
+        text={
+            "Prompt": model.decode(prompt) if prompt_text is None else prompt_text,
+            "Generated": model.decode(new),
+        },
         rollout=False,
+        kind="causal self-attention: each generated token over the prompt and the tokens before it",
     ).save(path)

@@ -37,7 +37,7 @@ import html as _html
 import os
 import re
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -143,7 +143,9 @@ class AttentionExplorer:
         attention: ``(l, h, i, j)``, ``(h, i, j)`` or ``(i, j)`` weights (tensor, array, lists).
         tokens: the ``i`` query tokens.
         key_tokens: the ``j`` key tokens for cross-attention (default: ``tokens``).
-        title: page heading. text: the input text, shown under it (both escaped).
+        title: page heading. text: the input text, shown under it as "Input: ..."; a mapping
+            from labels to texts shows each under its own label, e.g. ``{"Prompt": ...,
+            "Generated": ...}`` (all escaped).
         layer: the layer shown first; ``None`` = the last one.
         head: the head shown first; ``None`` = the mean of the layer's heads. The defaults show
             what ``attnkit show`` summarises by default: the last layer's head average.
@@ -151,6 +153,10 @@ class AttentionExplorer:
         token_types: 0 (sentence A) or 1 (sentence B) per token, as BERT's ``token_type_ids``,
             for the A/B filter of the lines; ``None`` = from the tokens when a ``[SEP]`` comes
             before the last token (``[CLS] A [SEP] B [SEP]``), else no filter.
+        kind: what the map is, in the page's summary line; ``None`` = ``"self-attention"`` when
+            the queries are the key tokens, else ``"cross-attention"``. A map whose queries are
+            some positions of the keys' own sequence (the rows of a decoder generating over its
+            cache) is self-attention although it is not square: say so here.
     """
 
     def __init__(
@@ -160,11 +166,12 @@ class AttentionExplorer:
         key_tokens: Sequence[str] | None = None,
         *,
         title: str = "Attention explorer",
-        text: str | None = None,
+        text: str | Mapping[str, str] | None = None,
         layer: int | None = None,
         head: int | None = None,
         rollout: bool | None = None,
         token_types: Sequence[int] | None = None,
+        kind: str | None = None,
     ) -> None:
         arr, q_tokens, k_tokens = as_attention4d(attention, tokens, key_tokens)
         n_layers, n_heads, i, j = arr.shape
@@ -179,6 +186,8 @@ class AttentionExplorer:
         self.key_tokens = k_tokens
         self.title = str(title)
         self.text = text
+        if text is not None and not isinstance(text, str | Mapping):
+            raise TypeError(f"text must be a str or a mapping of labels to str, got {text!r}")
         checked = check_index(layer, n_layers, "layer")
         self.layer = n_layers - 1 if checked is None else checked
         self.head = check_index(head, n_heads, "head")  # None: the mean of the heads
@@ -186,6 +195,8 @@ class AttentionExplorer:
             raise ValueError(f"rollout needs self-attention (i == j), got i={i}, j={j}")
         self.rollout = (i == j) if rollout is None else bool(rollout)
         self.cross = i != j or (key_tokens is not None and list(key_tokens) != list(tokens))
+        inferred = "cross-attention" if self.cross else "self-attention"
+        self.kind = inferred if kind is None else str(kind)
         self.segments = _pair_segments(q_tokens, token_types, self.cross)
 
     @property
@@ -222,16 +233,15 @@ class AttentionExplorer:
     def to_html(self) -> str:
         """The whole page: one self-contained HTML document."""
         n_layers, n_heads, i, j = self.shape
-        kind = "cross-attention" if self.cross else "self-attention"
         summary = (
             f"{n_layers} layer{'s' * (n_layers != 1)} × {n_heads} "
-            f"head{'s' * (n_heads != 1)}, {i} queries × {j} keys ({kind}); "
+            f"head{'s' * (n_heads != 1)}, {i} queries × {j} keys ({self.kind}); "
             f"weights shown to 3 decimals (stored within ±{ERROR_BOUND:.5f})"
         )
-        text = (
-            ""
-            if self.text is None
-            else (f'<p class="ak-text">Input: <q>{_html.escape(self.text)}</q></p>')
+        texts = {"Input": self.text} if isinstance(self.text, str) else dict(self.text or {})
+        text = "\n".join(
+            f'<p class="ak-text">{_html.escape(str(label))}: <q>{_html.escape(str(body))}</q></p>'
+            for label, body in texts.items()
         )
         return _PAGE.format(
             title=_html.escape(self.title),
