@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnkit import masks
-from attnkit.backends import explain, get_backend, memory_budget, use
+from attnkit.backends import explain, get_backend, memory_budget, rates, use
 from attnkit.functional import make_call
 from attnkit.registry import _COSTS, select_backend
 
@@ -30,10 +30,12 @@ def test_one_sentence_per_candidate_and_the_same_choice_as_the_call() -> None:
         f"auto takes {e.backend} for query (1, 2, 64, 8), key (1, 2, 64, 8), float64, forward, "
         "mask: function, band (left 7, right 0, offset 0); memory budget 1.0 GiB"
     )
-    assert len(lines) == 1 + len(e.verdicts) and repr(e) == str(e)
+    # where the numbers come from: the tests pin the reference table
+    assert lines[1] == f"  (numbers {rates.reference()['float32'].source})"
+    assert len(lines) == 2 + len(e.verdicts) and repr(e) == str(e)
     best = e.verdicts[0].estimate.seconds
-    assert lines[1].startswith(f"  {e.backend}: chosen, the cheapest estimate: about ")
-    for line, verdict in zip(lines[2:], e.verdicts[1:], strict=True):
+    assert lines[2].startswith(f"  {e.backend}: chosen, the cheapest estimate: about ")
+    for line, verdict in zip(lines[3:], e.verdicts[1:], strict=True):
         if verdict.estimate is None:  # its own why_not, word for word
             reason = get_backend(verdict.backend).why_not(call)
             assert line == f"  {verdict.backend}: cannot serve this call: {reason}"

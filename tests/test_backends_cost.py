@@ -302,9 +302,13 @@ def test_torchs_causal_kernel_is_priced_by_its_key_blocks_of_512() -> None:
 
 
 def _fused_ready() -> bool:
-    from attnkit.backends.fused import build
+    from attnkit.backends.fused import jit
 
-    return build.unavailable() is None
+    try:
+        jit.build()
+    except jit.NotBuilt:
+        return False
+    return True
 
 
 needs_fused = pytest.mark.skipif(
@@ -320,7 +324,7 @@ def test_auto_takes_the_fused_kernel_where_it_is_cheapest_and_falls_back_without
     lowest and auto runs it; where it cannot be built, explain says why in its sentence and
     auto takes another backend; both results equal the float64 reference within bfloat16."""
     from attnkit import registry
-    from attnkit.backends.fused import build
+    from attnkit.backends.fused import jit
 
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 4, 1024, 64, generator=g).bfloat16().requires_grad_() for _ in "qkv")
@@ -337,7 +341,7 @@ def test_auto_takes_the_fused_kernel_where_it_is_cheapest_and_falls_back_without
     assert (out.double() - ref).abs().max() < 2e-2
 
     reason = "no C++ compiler ('c++') is installed: the fused kernel cannot be built"
-    monkeypatch.setattr(build, "unavailable", lambda: reason)
+    monkeypatch.setattr(jit, "unavailable", lambda: reason)
     registry._RANKED.clear()
     e = explain(q, k, v, bias=bias)
     assert e.backend not in (None, "fused")

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from attnkit import alibi_fn, masks, scaled_dot_product_attention
 from attnkit.backends import BackendUnavailable
-from attnkit.backends.fused import api, build, fused_attention, plan
+from attnkit.backends.fused import api, fused_attention, jit, plan
 from attnkit.backends.sparse import block_sparse, strided_layout
 from attnkit.functional import make_call
 from oracles import qkv as _qkv
@@ -31,10 +31,10 @@ F64 = torch.float64
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
     """Build (or load) the kernel once; without a compiler these tests cannot run here."""
-    reason = build.unavailable()
-    if reason is not None:
+    try:
+        return jit.build()
+    except jit.NotBuilt as reason:
         pytest.skip(f"the fused kernel is unavailable here: {reason}")
-    return build.load()
 
 
 def _with_grads(backend: str, q, k, v, **kw):
@@ -155,6 +155,70 @@ def test_nan_values_laid_out_as_a_fused_projection_stay_in_their_rows() -> None:
     _agree(got, want, 1e-5, "strided q, k, v with NaN rows")
 
 
+@pytest.mark.parametrize("where", ["last key", "first key", "one query"])
+def test_a_nan_far_away_reaches_every_row_it_should_with_skipping(where: str) -> None:
+    """ALiBi with steep heads lets the kernel skip distant key tiles as negligible; a NaN in a
+    key (or a query) must still reach every row the reference puts it in: bounds over a NaN
+    say nothing, so the kernel does not skip where q or k hold one (a NaN in the last key
+    used to be lost in the rows that skipped its tile)."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 2048, 16, generator=g) for _ in range(3))
+    if where == "last key":
+        k[0, 1, -1, 3] = float("nan")
+    elif where == "first key":
+        k[0, 0, 0, 0] = float("nan")
+    else:
+        q[0, 1, 1000, 5] = float("nan")
+    slopes = torch.tensor([1.0, 0.5])
+    bias = masks.relative(lambda b, h, i, j: -slopes[h] * (i - j).abs())
+    want = scaled_dot_product_attention(q, k, v, bias=bias, backend="math")
+    got = scaled_dot_product_attention(q, k, v, bias=bias, backend="fused")
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert int(torch.isnan(want).any(-1).sum()) == (2048 if "key" in where else 1)
+    _agree(got, want, 1e-5, where)
+
+
+@pytest.mark.parametrize("scale", [-0.3, -1.0])
+def test_a_negative_scale_with_a_relative_bias(scale: float) -> None:
+    """Skipping bounds |scale q.k| by |scale| |q| |k|: with a negative scale the outputs and
+    gradients equal the float64 reference (the bound's sign was wrong: outputs 4.8 off)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 300, 32, generator=g, dtype=F64) * 3 for _ in range(3))
+    kw = {"bias": alibi_fn(4), "scale": scale, "is_causal": True}
+    want = _with_grads("math", q, k, v, **kw)
+    got = _with_grads("fused", q, k, v, **kw)
+    for what, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert (a - b).abs().max() < 1e-10, what
+
+
+@pytest.mark.parametrize("layout", ["transposed heads", "sliced", "expanded heads"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_input_layout_on_every_dtype(layout: str, dtype) -> None:
+    """q, k, v as a module hands them over (a (b, n, h, d) projection with heads transposed,
+    a slice of a wider tensor, heads expanded with stride 0), even sizes, causal and ALiBi:
+    the same result as contiguous copies, forward and backward (the packed bfloat16 path
+    refused a non-contiguous query)."""
+    g = torch.Generator().manual_seed(2)
+    b, n, h, d = 2, 200, 4, 64
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    if layout == "transposed heads":
+        q, k, v = (randn(b, n, h, d).transpose(1, 2) for _ in range(3))
+    elif layout == "sliced":
+        q, k, v = (randn(b, h, n, 2 * d)[..., ::2] for _ in range(3))
+    else:
+        q = randn(b, h, n, d).transpose(-1, -2).contiguous().transpose(-1, -2)
+        k, v = (randn(b, 1, n, d).expand(b, h, n, d) for _ in range(2))
+    assert not q.is_contiguous() and not k.is_contiguous()
+    for kw in ({"is_causal": True}, {"bias": alibi_fn(h)}):
+        got = _with_grads("fused", q, k, v, **kw)
+        want = _with_grads("fused", *(t.contiguous() for t in (q, k, v)), **kw)
+        for a, c in zip(got, want, strict=True):
+            assert torch.equal(a, c), (layout, dtype, sorted(kw))
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(call=hostile_calls(), cast=st.sampled_from([None, torch.bfloat16, torch.float16]))
 def test_nan_goes_where_the_reference_puts_it(call, cast) -> None:
@@ -253,26 +317,26 @@ def test_why_not_says_why_in_a_sentence(monkeypatch) -> None:
 
 def test_a_machine_without_a_compiler_is_told_so(monkeypatch) -> None:
     monkeypatch.setenv("CXX", "no-such-compiler")
-    reason = build._load.__wrapped__()[1]
+    reason = jit.prerequisites()
     assert reason == (
         "no C++ compiler ('no-such-compiler') is installed: the fused kernel cannot be built"
     )
     monkeypatch.setenv("ATTNKIT_FUSED", "0")
-    assert build._load.__wrapped__()[1] == "the fused kernel is turned off (ATTNKIT_FUSED=0)"
+    assert jit.prerequisites() == "the fused kernel is turned off (ATTNKIT_FUSED=0)"
 
 
 def test_the_build_is_cached_by_source_flags_and_torch(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
-    assert build.cache_dir() == tmp_path
+    assert jit.cache_dir() == tmp_path
     monkeypatch.delenv("ATTNKIT_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert build.cache_dir() == tmp_path / "attnkit" / "torch_extensions"
-    key = build.build_key()
-    monkeypatch.setattr(build, "flags", lambda: ["-O0"])
-    assert build.build_key() != key and len(key) == 16
+    assert jit.cache_dir() == tmp_path / "attnkit" / "torch_extensions"
+    key = jit.build_key()
+    monkeypatch.setattr(jit, "flags", lambda: ["-O0"])
+    assert jit.build_key() != key and len(key) == 16
     # another install of the same sources (its build files name other paths): its own folder
-    flagged = build.build_key()
-    monkeypatch.setattr(build, "HERE", tmp_path)
-    for name in build.SOURCES:
-        (tmp_path / name).write_bytes((Path(build.__file__).parent / name).read_bytes())
-    assert build.build_key() != flagged
+    flagged = jit.build_key()
+    monkeypatch.setattr(jit, "HERE", tmp_path)
+    for name in jit.SOURCES:
+        (tmp_path / name).write_bytes((Path(jit.__file__).parent / name).read_bytes())
+    assert jit.build_key() != flagged

@@ -27,6 +27,7 @@ COMMAND_MODULES = [
     "attnkit.commands.evaluate",
     "attnkit.commands.generate",
     "attnkit.commands.bench",
+    "attnkit.commands.kernels",
 ]
 
 USER_ERRORS = (

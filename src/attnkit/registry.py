@@ -42,6 +42,7 @@ __all__ = [
     "Verdict",
     "available_backends",
     "forced_backend",
+    "forget_rankings",
     "get_backend",
     "get_memory_budget",
     "memory_budget",
@@ -143,12 +144,15 @@ class Estimate:
     biases the backend would build to serve the call (a function evaluated on the full grid,
     a causal band written out, a mask and a bias combined); what ``memory_budget`` limits.
     ``how``: a short phrase for ``explain``, such as "materialises the bias function as a
-    (1, 8, 4096, 4096) float32 tensor".
+    (1, 8, 4096, 4096) float32 tensor". ``basis``: "measured" (seconds from this machine's
+    measurements), or "priority" where there are none (CUDA, MPS, or before the first
+    calibration): ``seconds`` is then the backend's place in auto's priority list.
     """
 
     seconds: float
     materialised: int = 0
     how: str = ""
+    basis: str = "measured"  # "priority": no measurements here; ``seconds`` is a rank
 
 
 CostFn = Callable[[AttentionCall], Estimate]
@@ -160,6 +164,7 @@ class Backend:
     run: Callable[[AttentionCall], tuple[Tensor, Tensor | None]]
     why_not: Callable[[AttentionCall], str | None]
     description: str = ""
+    prepare: Callable[[], None] | None = None  # run before an explicit selection (a build)
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -177,14 +182,18 @@ def register_backend(
     *,
     description: str = "",
     cost: CostFn | None = None,
+    prepare: Callable[[], None] | None = None,
 ) -> Backend:
     """Register (or replace) a backend under ``name``; with a ``cost`` it takes part in auto.
 
     Replacing a backend without a ``cost`` keeps the cost it had (see ``register_cost``).
+    ``prepare()`` runs when a call names the backend explicitly, before its ``why_not``: the
+    place for work only an explicit request may do (the fused kernel compiles there); auto
+    never calls it.
     """
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
-    backend = Backend(name, run, why_not or _always, description)
+    backend = Backend(name, run, why_not or _always, description, prepare)
     _REGISTRY[name] = backend
     if cost is not None:
         register_cost(name, cost)
@@ -207,6 +216,12 @@ def register_cost(name: str, cost: CostFn | None) -> None:
         raise TypeError(f"cost must be a function of an AttentionCall, got {type(cost).__name__}")
     else:
         _COSTS[name] = cost
+    _RANKED.clear()
+
+
+def forget_rankings() -> None:
+    """Drop auto's remembered rankings, so the next call of each signature is weighed again
+    (a kernel became available, the machine's measurements changed)."""
     _RANKED.clear()
 
 
@@ -320,12 +335,18 @@ class Verdict:
         """One line for ``explain``; ``best`` is the chosen backend's estimated seconds."""
         if self.estimate is None:
             return f"{self.backend}: cannot serve this call: {self.why_not}"
-        cost = f"about {_duration(self.estimate.seconds)}"
+        if self.estimate.basis == "priority":
+            cost = f"priority {self.estimate.seconds:g}"
+            best = None
+        else:
+            cost = f"about {_duration(self.estimate.seconds)}"
         if self.estimate.how:
             cost += f"; {self.estimate.how}"
         if self.why_not is not None:
             return f"{self.backend}: left out: {self.why_not} ({cost})"
         if self.chosen:
+            if self.estimate.basis == "priority":
+                return f"{self.backend}: chosen, first in the priority list that serves: {cost}"
             return f"{self.backend}: chosen, the cheapest estimate: {cost}"
         if best:
             cost = f"{self.estimate.seconds / best:.2f}x the chosen, " + cost
@@ -416,6 +437,7 @@ def _signature(call: AttentionCall) -> tuple | None:
         | (call.softcap is None) << 5
         | (call.sinks is None) << 6
         | q.is_cpu << 7
+        | torch.get_num_threads() << 8
     )
     budget = _BUDGET.get()
     return (
@@ -466,6 +488,8 @@ def select_backend(name: str, call: AttentionCall) -> Backend:
     if name == "auto":
         return _auto(call)
     backend = get_backend(name)
+    if backend.prepare is not None:
+        backend.prepare()
     reason = backend.why_not(call)
     if reason is not None:
         raise BackendUnavailable(f"backend {name!r} cannot serve this call: {reason}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnkit.backends import cost
 from attnkit.functional import make_call
 from attnkit.masks import BiasFn, MaskFn, structure_of
 from attnkit.registry import (
@@ -42,12 +43,15 @@ class Explanation:
     summary: str
     budget: int
     forced: str | None = None
+    source: str = ""  # where the numbers come from (this machine's measurements, or none)
 
     def lines(self) -> list[str]:
         best = self.verdicts[0].estimate if self.verdicts and self.verdicts[0].chosen else None
         seconds = best.seconds if best is not None else None
         head = f"auto takes {self.backend}" if self.backend else "no backend can serve"
         out = [f"{head} for {self.summary}; memory budget {_bytes(self.budget)}"]
+        if self.source:
+            out.append(f"  ({self.source})")
         out += [f"  {v.sentence(seconds)}" for v in self.verdicts]
         if self.forced is not None:
             out.append(f"  (inside use({self.forced!r}): calls here run on {self.forced})")
@@ -106,6 +110,7 @@ def explain_call(call: AttentionCall) -> Explanation:
         _summary(call),
         get_memory_budget(),
         None if forced in (None, "auto") else forced,
+        cost.source(call),
     )
 
 

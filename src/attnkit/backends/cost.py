@@ -1,13 +1,13 @@
 """The cost model behind ``backend="auto"``: what each backend would spend on a call.
 
 Every estimate is a sum of a few terms, each a count times a constant measured on this
-machine (``RATES``)::
+machine (``rates.Rates``, by ``calibration``; ``explain`` says where the numbers came from)::
 
     seconds = call                            # Python and dispatch, once per call
             + tile * tiles                    # per key tile the tiled loop visits (Python)
             + flops / gflops                  # the two matmuls over the pairs computed
             + pair * pairs                    # elementwise work per (b, h, i, j) pair computed
-            + EVAL * function element-ops     # evaluating mask and bias functions
+            + eval_s * function element-ops   # evaluating mask and bias functions
 
 The counts come from the call: the sizes ``(b, h, i, j, d)``, the dtype, whether gradients
 are needed (then the forward+backward constants apply), and the kind of mask and bias:
@@ -25,9 +25,12 @@ Routes that build ``(b, h, i, j)``-sized masks or biases (torch's kernel and the
 given a function, a causal band written out, a mask and a bias combined) report those bytes
 in ``Estimate.materialised``; auto leaves them out above the memory budget.
 
+Where this machine, thread count and dtype have no measurements (and for CUDA and MPS calls)
+the estimates are places in ``PRIORITY`` instead of seconds (``Estimate.basis``).
+
 A new backend joins auto by passing ``cost=`` to ``register_backend`` (or calling
-``register_cost``); ``tiled_like(name)`` is the tiled model with that backend's own ``RATES``
-row, for kernels that visit tiles as ``tiled`` does.
+``register_cost``); ``tiled_like(name)`` is the tiled model with that backend's own rates,
+for kernels that visit tiles as ``tiled`` does.
 """
 
 from __future__ import annotations
@@ -45,79 +48,45 @@ from attnkit._structure import structure_of
 from attnkit.backends import chunked as chunked_backend
 from attnkit.backends.fused import api as fused_api
 from attnkit.backends.fused.plan import evaluated_whole
+from attnkit.backends.rates import Rates, Table, table_for
 from attnkit.backends.sparse import WINDOW_BLOCK
 from attnkit.backends.tiled import tiles as tiled_tiles
 from attnkit.backends.visits import negligible_pairs, tiles_visited, windowed
 from attnkit.registry import AttentionCall, Estimate, register_cost
 
 __all__ = [
-    "EVAL",
-    "RATES",
-    "Rates",
+    "PRIORITY",
     "Terms",
     "estimate",
     "fused_terms",
     "price",
+    "source",
     "terms",
     "tiled_like",
 ]
 
 
-@dataclass(frozen=True)
-class Rates:
-    """One backend's constants for one dtype and pass (see the module docstring)."""
-
-    call: float  # seconds per call
-    tile: float  # seconds per key tile visited
-    gflops: float  # forward GFLOP/s of the whole pass (fwd+bwd: forward FLOPs / its time)
-    pair: float  # seconds per (b, h, i, j) pair computed, elementwise work
-
-
-# Measured on this machine (AMD EPYC, AVX-512 with avx512_bf16, no AMX; 2 threads) by
-# `python benchmarks/auto.py --calibrate --repeats 5` (benchmarks/_calibrate.py): for each
-# backend, dtype and pass it times, interleaved (medians of 5), a decoding step (i = 1,
-# j = 200: the per-call cost), a few tiles of one head (b = h = 1, n = 1024: per tile), plain
-# calls at n = 768 and 3072 and d = 128 (the matmul rate) and calls with a dense bias tensor
-# (torch) or a relative bias function (tiled, fused) at n = 1536 (per pair), and for fused a
-# window and a document mask, then fits the four constants by non-negative least squares on
-# relative errors. Sizes are off the benchmark grid on purpose. "pair" is the extra per pair
-# with a mask (torch), a bias (tiled), a mask or bias tensor (fused);
-# for math, all its elementwise work. float32 and bfloat16 were measured in separate runs.
-# tiled's rows count a masked pair twice (``_MASK_PAIR``), fitted on the same times.
-#                                            call (s)  tile (s)  GFLOP/s   pair (s)
-RATES: dict[tuple[str, str, str], Rates] = {
-    ("torch", "float32", "fwd"): Rates(5.4e-05, 0, 178.7, 2.8e-10),
-    ("torch", "float32", "fwdbwd"): Rates(0.000337, 0, 49.62, 5.88e-10),
-    ("tiled", "float32", "fwd"): Rates(0.000135, 6.25e-05, 158.9, 4.74e-10),
-    ("tiled", "float32", "fwdbwd"): Rates(0, 0.000201, 43.38, 1.01e-09),
-    ("fused", "float32", "fwd"): Rates(0.000137, 9.78e-07, 160.2, 1.45e-09),
-    ("fused", "float32", "fwdbwd"): Rates(0.000109, 2.73e-06, 52.46, 4.2e-09),
-    ("sparse", "float32", "fwd"): Rates(0.00165, 0, 120.1, 0),
-    ("sparse", "float32", "fwdbwd"): Rates(0.00124, 0, 36.34, 0),
-    ("math", "float32", "fwd"): Rates(0.000159, 0, 195.1, 3.84e-09),
-    ("math", "float32", "fwdbwd"): Rates(0.000157, 0, 63.41, 7.61e-09),
-    ("torch", "bfloat16", "fwd"): Rates(0.000277, 0, 181.1, 3.32e-10),
-    ("torch", "bfloat16", "fwdbwd"): Rates(0.000127, 0, 72.73, 1.2e-09),
-    ("tiled", "bfloat16", "fwd"): Rates(0.000175, 3.28e-05, 160.9, 5.03e-10),
-    ("tiled", "bfloat16", "fwdbwd"): Rates(0.000152, 3.84e-05, 42.6, 9.51e-10),
-    ("fused", "bfloat16", "fwd"): Rates(0.000328, 0, 234.5, 1.08e-09),
-    ("fused", "bfloat16", "fwdbwd"): Rates(0.000148, 6.81e-06, 81.77, 3.45e-09),
-    ("sparse", "bfloat16", "fwd"): Rates(0, 0.000518, 134.3, 0),
-    ("sparse", "bfloat16", "fwdbwd"): Rates(0.00125, 0, 30.19, 0),
-    ("math", "bfloat16", "fwd"): Rates(0.000149, 0, 228.2, 3.82e-09),
-    ("math", "bfloat16", "fwdbwd"): Rates(0.00015, 0, 70.51, 7.33e-09),
-}
-EVAL = 1.1e-09
-"""Seconds per element-op of a mask or bias function (an op's output elements at full size):
-the time to materialise ALiBi, T5-style buckets and document ids at (1, 8, 1536, 1536) over
-the element-ops ``_probe`` counts for them (median over float32 and bfloat16)."""
-
 # dtypes without their own rows: float16 runs like bfloat16; float64 like float32, at half speed.
 _ROW = {torch.float16: ("bfloat16", 1.0), torch.float64: ("float32", 2.0)}
 
+PRIORITY = ("torch", "sparse", "tiled", "fused", "chunked", "math")
+"""The order auto follows where this machine has not been measured (``rates.table_for`` gives
+no table: before the first calibration, and on CUDA or MPS): torch's kernel wherever it serves
+the call without building a (b, h, i, j) mask or bias, else the tile loops that evaluate
+functions per tile (sparse, tiled), then the others; a route that builds tensors for torch's
+kernel comes after them."""
 
-def _rates(backend: str, work: _Work) -> Rates:
-    return RATES[(backend, work.row, "fwdbwd" if work.grad else "fwd")]
+
+def _priority(name: str, terms: Terms) -> float:
+    """A backend's place in ``PRIORITY`` (1 = first), as the "seconds" auto ranks by."""
+    if name == "torch" and terms.materialised:
+        return len(PRIORITY) - 1.5  # after the tile loops, before chunked and math
+    return float(PRIORITY.index(name) + 1) if name in PRIORITY else float(len(PRIORITY) + 1)
+
+
+def _rates(backend: str, work: _Work) -> Rates | None:
+    table = work.table
+    return None if table is None else table.rows.get((backend, "fwdbwd" if work.grad else "fwd"))
 
 
 # The call, measured once per call object (the registry asks every candidate in a row).
@@ -213,6 +182,7 @@ class _Work:
     d: int
     dv: int
     itemsize: int
+    table: Table | None  # this machine's rates for the call's device, dtype and threads
 
     @property
     def flops_per_pair(self) -> int:
@@ -248,6 +218,7 @@ def _work(call: AttentionCall) -> _Work:
         q.shape[-1],
         v.shape[-1],
         q.element_size(),
+        table_for(q.device, row),
     )
     _LAST[0] = (call, work)
     return work
@@ -270,20 +241,24 @@ class Terms:
 
 
 def price(rates: Rates, terms: Terms, work: _Work) -> float:
-    """``call + tile * tiles + flops / gflops + pair * extra + EVAL * ops``, in seconds."""
+    """``call + tile * tiles + flops / gflops + pair * extra + eval_s * ops``, in seconds."""
     flops = terms.pairs * work.flops_per_pair
     seconds = rates.call + rates.tile * terms.tiles + flops / (rates.gflops * 1e9)
-    return work.slow * (seconds + rates.pair * terms.extra + EVAL * terms.ops)
+    eval_s = work.table.eval_s if work.table is not None else 0.0
+    return work.slow * (seconds + rates.pair * terms.extra + eval_s * terms.ops)
 
 
 def _priced(name: str, terms_fn, float64: float = 1.0):
-    """A cost function from a terms function and the ``RATES`` rows of backend ``name``;
-    ``float64``: how much slower than ``_ROW``'s price the backend runs float64."""
+    """A cost function from a terms function and the rates of backend ``name``; ``float64``:
+    how much slower than ``_ROW``'s price the backend runs float64."""
 
     def cost(call: AttentionCall) -> Estimate:
         work = _work(call)
         terms = terms_fn(work)
-        seconds = price(_rates(name, work), terms, work)
+        rates = _rates(name, work)
+        if rates is None:
+            return Estimate(_priority(name, terms), terms.materialised, terms.how, "priority")
+        seconds = price(rates, terms, work)
         if float64 != 1.0 and call.query.dtype == torch.float64:
             seconds *= float64
         return Estimate(seconds, terms.materialised, terms.how)
@@ -390,11 +365,15 @@ def chunked_cost(call: AttentionCall) -> Estimate:
     chunks = max(1, math.ceil(work.i / rows))
     share = min(1.0, rows / max(1, work.i))
     full = math_terms(work)
-    seconds = price(_rates("math", work), full, work) + chunks * _rates("math", work).call
-    if work.grad:
-        seconds += price(RATES[("math", work.row, "fwd")], full, work)
     word = "chunk" if chunks == 1 else "chunks"
     how = f"{chunks} query {word} of {min(rows, work.i)} rows"
+    rates = _rates("math", work)
+    forward = None if work.table is None else work.table.rows.get(("math", "fwd"))
+    if rates is None or forward is None:
+        return Estimate(_priority("chunked", full), int(full.materialised * share), how, "priority")
+    seconds = price(rates, full, work) + chunks * rates.call
+    if work.grad:
+        seconds += price(forward, full, work)
     return Estimate(seconds, int(full.materialised * share), how)
 
 
@@ -404,7 +383,7 @@ def chunked_cost(call: AttentionCall) -> Estimate:
 
 def tiled_like(name: str, *, gather: bool = False, block: int | None = None):
     """The cost function of a backend that visits tiles as ``tiled`` does, with the
-    ``RATES`` rows of backend ``name`` (``gather``: one group per query block, ``sparse``)."""
+    rates of backend ``name`` (``gather``: one group per query block, ``sparse``)."""
     return _priced(name, lambda work: tiled_terms(work, gather=gather, block=block))
 
 
@@ -500,7 +479,23 @@ TERMS = {
     "sparse": lambda work: tiled_terms(work, gather=True),
     "math": math_terms,
 }
-"""The terms of each backend whose ``RATES`` are measured (``chunked`` uses ``math``'s)."""
+"""The terms of each backend whose rates are measured (``chunked`` uses ``math``'s)."""
+
+
+def source(call: AttentionCall) -> str:
+    """Where the numbers auto weighs ``call`` by come from, in a sentence."""
+    work = _work(call)
+    if work.table is not None:
+        return f"numbers {work.table.source}"
+    order = ", ".join(PRIORITY)
+    device = call.query.device
+    if device.type != "cpu":
+        return f"no rates for {device.type} calls: auto follows its priority list ({order})"
+    return (
+        f"no measurements of this machine for {work.row} with {torch.get_num_threads()} "
+        f"threads yet: auto follows its priority list ({order}); `attnkit kernels calibrate` "
+        "measures them"
+    )
 
 
 def terms(name: str, call: AttentionCall) -> Terms:

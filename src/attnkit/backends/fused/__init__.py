@@ -10,7 +10,7 @@ float32; softmax statistics are float32 (float64 for float64 inputs). One file p
     fused.h       the problem (Spec), the tile matmul, one row of a tile's logits
     forward.cpp   the forward loop          backward.cpp   the recomputing backward
     module.cpp    the Python bindings
-    build.py      the build on first use, cached per source hash, CPU class and torch
+    jit.py        the build when asked (or in the background for auto), cached and verified
     plan.py       masks and biases as the kernel evaluates them (band, layout, relative, dense)
     api.py        ``fused_attention``, the autograd function, the registry entry
 
@@ -20,18 +20,21 @@ never visited), relative bias functions as one ``n_i + n_j - 1`` table per head 
 T5-style buckets), dense mask and bias tensors (with the bias's gradient), grouped-query
 attention, fully masked rows (output 0) and NaN propagation as in the reference.
 
-Where no C++ compiler (or ninja) is available, or the build fails, ``why_not`` says so in a
-sentence and ``backend="auto"`` takes another route.
+Where no C++ compiler (or ninja) is available, the build failed or the kernel is not built yet,
+``why_not`` says so in a sentence and ``backend="auto"`` takes another route (see ``jit``).
 """
 
 from attnkit.backends.fused.api import BLOCK_K, BLOCK_Q, fused_attention, run, why_not
-from attnkit.backends.fused.build import cache_dir, load, unavailable
+from attnkit.backends.fused.jit import NotBuilt, build, cache_dir, is_built, load, unavailable
 
 __all__ = [
     "BLOCK_K",
     "BLOCK_Q",
+    "NotBuilt",
+    "build",
     "cache_dir",
     "fused_attention",
+    "is_built",
     "load",
     "run",
     "unavailable",

@@ -3,6 +3,7 @@ layouts the kernel reads, and the registry entry."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit._numerics import all_finite, blocked, compute_dtype
-from attnkit.backends.fused import build
+from attnkit.backends.fused import jit
 from attnkit.backends.fused.plan import MATERIALIZE_BYTES, Plan, materialized_bytes, plan
 from attnkit.backends.tiled.api import _as4d
 from attnkit.backends.tiled.skipping import negligible_bits
@@ -19,7 +20,7 @@ from attnkit.backends.tiled.softmax import LOG2E
 from attnkit.masks import BiasFn, MaskFn, pad_to_rank
 from attnkit.registry import AttentionCall, register_backend
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "fused_attention", "run", "why_not"]
+__all__ = ["BLOCK_K", "BLOCK_Q", "fused_attention", "prepare", "run", "why_not"]
 
 # Tile sizes (measured choices: docs/benchmarks.md, "The fused CPU kernel"): queries x keys of
 # the forward, and of the backward (whose inner loop runs over query blocks).
@@ -100,10 +101,14 @@ def _ints(q: Tensor, k: Tensor, v: Tensor, p: Plan, tiles: tuple[int, int]) -> l
 
 
 def _norms(q: Tensor, k: Tensor, p: Plan, acc: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
-    """``|q_i| * scale * log2(e)`` and ``|k_j|`` for skipping negligible tiles (relative bias)."""
-    if p.relative is None:
+    """``|q_i| * |scale| * log2(e)`` and ``|k_j|`` for skipping negligible tiles (relative bias),
+    or None (no skipping): without a relative table, and wherever q, k or the table hold a
+    non-finite value, whose NaN must reach every row that sees it (a bound over a NaN or an
+    infinity says nothing)."""
+    if p.relative is None or not (all_finite(q) and all_finite(k) and all_finite(p.relative)):
         return None, None
-    q_norm = q.to(acc).norm(dim=-1).mul_(p.scale * LOG2E)  # (b, h, i)
+    # Cauchy-Schwarz bounds |scale q.k| by |scale| |q| |k|, whatever the scale's sign.
+    q_norm = q.to(acc).norm(dim=-1).mul_(abs(p.scale) * LOG2E)  # (b, h, i)
     return q_norm.contiguous(), k.to(acc).norm(dim=-1).contiguous()  # (b, h_kv, j)
 
 
@@ -119,7 +124,7 @@ def _forward(q, k, v, bias, p: Plan, s: Setup):
         out = q.new_zeros(nb, h, ni, dv, dtype=acc)
         shift = q.new_zeros(2, nb, h, ni, dtype=acc)
         return out, q.new_full((nb, h, ni), blocked(acc), dtype=acc), shift, None, None
-    kernel = build.load()
+    kernel = jit.load()
     q_, k_, v_ = (t.to(s.dtype) for t in (q, k, v))
     # (b, h_kv, j, dv), contiguous: the kernel reads it as laid out, whatever v's strides
     bad = None if all_finite(v_) else (~torch.isfinite(v_)).contiguous()
@@ -127,6 +132,8 @@ def _forward(q, k, v, bias, p: Plan, s: Setup):
         v_ = v_.masked_fill(bad, 0.0)
     if s.packed:
         q_op, k_op, v_op = (_pad_even(t) for t in (q_, k_, v_))
+        # any layout the caller gives (strided, transposed, expanded) is read contiguous
+        q_op = q_op.contiguous()
         kt_op, v_op = pairs_of_columns(k_op), pairs_of_rows(v_op)
     else:
         q_op, kt_op, v_op = q_.contiguous(), _transposed(k_), v_.contiguous()
@@ -158,7 +165,7 @@ def _backward(q, k, v, bias, out, shift, grad_out, bad, p: Plan, s: Setup, want_
         zeros = [torch.zeros(t.shape, dtype=acc) for t in (q, k, v)]
         dbias = torch.zeros(bias.shape, dtype=acc) if want_dbias else None
         return (*zeros, dbias)
-    kernel = build.load()
+    kernel = jit.load()
     q_, k_, v_, do = (t.to(s.dtype) for t in (q, k, v, grad_out))
     if bad is not None:
         v_ = v_.masked_fill(bad, 0.0)
@@ -249,7 +256,7 @@ def fused_attention(
         q, k, scale=scale, mask=pad4(mask), mask_fn=mask_fn, bias=pad4(bias),
         bias_fn=bias_fn, is_causal=is_causal,
     )  # fmt: skip
-    s = setup(q, p, build.load())
+    s = setup(q, p, jit.load())
     out, lse = _FusedAttention.apply(q, k, v, dense_bias, p, s)
     return (out, lse) if return_lse else out
 
@@ -289,7 +296,14 @@ def why_not(call: AttentionCall) -> str | None:
             f"would take {need / 2**20:.0f} MiB as a tensor (limit "
             f"{MATERIALIZE_BYTES / 2**20:.0f} MiB); backend 'tiled' evaluates it per tile"
         )
-    return build.unavailable()
+    return jit.unavailable()  # never builds: auto weighs the kernel once it is built
+
+
+def prepare() -> None:
+    """Build the kernel for an explicit ``backend="fused"`` (``why_not`` then says why not,
+    where it cannot be built)."""
+    with contextlib.suppress(jit.NotBuilt):
+        jit.load()
 
 
 def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
@@ -311,5 +325,6 @@ register_backend(
     "fused",
     run,
     why_not,
-    description="the tiled algorithm as one C++ kernel per direction (CPU, built on first use)",
+    description="the tiled algorithm as one C++ kernel per direction (CPU, built when asked)",
+    prepare=prepare,
 )

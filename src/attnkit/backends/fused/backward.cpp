@@ -38,6 +38,7 @@ void backward_kernel(const Spec<acc_t>& sp, const Tensor& k, const Tensor& v, co
   const bool skipping = sp.relative != nullptr && sp.q_norm != nullptr && dbias_data == nullptr;
 
   at::parallel_for(0, sp.nb * sp.h, 1, [&](int64_t begin, int64_t end) {
+    note_thread();
     const int64_t bk = sp.block_k + 1, bq = sp.block_q + 1;
     std::vector<acc_t> s(bk * bq), dp(bk * bq);
     std::vector<scalar_t> p_op(packed ? bk * bq : 0), ds_op(packed ? bk * bq : 0);
@@ -171,6 +172,7 @@ void backward(const Tensor& k, const Tensor& v, const Tensor& k_t, const Tensor&
     TORCH_CHECK(t->is_contiguous(), "fused backward: operands must be contiguous");
   }
   const bool nan_rows = floats.size() > 2 && floats[2] != 0.0;
+  begin_parallel();
   switch (k.scalar_type()) {
     case at::kFloat:
       backward_kernel<float, float>(

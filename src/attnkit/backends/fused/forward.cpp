@@ -61,6 +61,7 @@ void forward_kernel(const Spec<acc_t>& sp, const Tensor& q, const Tensor& k_t, c
   const bool skipping = sp.relative != nullptr && sp.q_norm != nullptr && bad_data == nullptr;
 
   at::parallel_for(0, sp.nb * sp.h * nqb, 1, [&](int64_t begin, int64_t end) {
+    note_thread();
     const int64_t bq = sp.block_q, bk = sp.block_k + 1;
     std::vector<acc_t> s(bq * bk), acc(bq * dv_p), m(bq), l(bq);
     std::vector<scalar_t> p_op(packed ? bq * (bk + 1) : 0);
@@ -184,6 +185,7 @@ void forward(const Tensor& q, const Tensor& k_t, const Tensor& v, const Tensor& 
   TORCH_CHECK(out.is_contiguous() && lse.is_contiguous() && shift.is_contiguous(),
               "fused forward: outputs");
   TORCH_CHECK(!bad || bad->is_contiguous(), "fused forward: bad must be contiguous");
+  begin_parallel();
   switch (q.scalar_type()) {
     case at::kFloat:
       forward_kernel<float, float>(

@@ -16,6 +16,8 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
+#include <atomic>
+#include <bitset>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -27,6 +29,19 @@
 namespace attnkit_fused {
 
 using at::Tensor;
+
+// Which of torch's intra-op threads ran part of the latest forward or backward (bit t: the
+// thread at::get_thread_num() == t), so a test can check that the kernel runs on every thread
+// torch uses (``threads_used``) without timing it.
+inline std::atomic<uint64_t> threads_seen{0};
+inline void begin_parallel() { threads_seen.store(0, std::memory_order_relaxed); }
+inline void note_thread() {
+  const int t = std::min(at::get_thread_num(), 63);
+  threads_seen.fetch_or(uint64_t(1) << t, std::memory_order_relaxed);
+}
+inline int64_t threads_used() {
+  return static_cast<int64_t>(std::bitset<64>(threads_seen.load()).count());
+}
 
 constexpr double LOG2E = 1.4426950408889634;  // softmax.py LOG2E
 constexpr double LN2 = 0.6931471805599453;     // softmax.py LN2

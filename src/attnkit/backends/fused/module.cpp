@@ -42,6 +42,15 @@ bool bfloat16_packed_ok() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &attnkit_fused::forward, "fused attention forward (writes out, lse)");
   m.def("backward", &attnkit_fused::backward, "fused attention backward (writes dq^T, dk, dv)");
+  m.def("threads_used", &attnkit_fused::threads_used,
+        "how many intra-op threads ran part of the latest forward or backward");
+  m.def("openmp", []() {
+#ifdef _OPENMP
+    return true;
+#else
+    return false;
+#endif
+  }, "whether the kernel was compiled with OpenMP (at::parallel_for runs in parallel)");
   m.def("bfloat16_packed_ok", &attnkit_fused::bfloat16_packed_ok,
         "whether bfloat16 tiles can use the packed matmul on this CPU");
 }

@@ -1,0 +1,270 @@
+"""Measuring this machine for ``backend="auto"``: a short calibration, cached beside the kernel.
+
+For one dtype and the current thread count, ``calibrate`` times a few small calls per backend,
+forward and forward+backward, interleaved round by round (the fastest of three rounds after a
+warm-up: other work on the machine only adds time): a decoding step (the per-call cost), one
+head of 1,024 (the per-tile cost), plain calls at three sizes and one wider
+head (the matmul rate), and calls with a bias tensor, a relative bias function, a window or a
+document mask (the per-pair extra). For each backend and pass it then fits the four constants
+of ``rates.Rates`` by non-negative least squares on relative errors, with the counts the cost
+model gives those calls (``cost.terms``), and the seconds per element-op of a mask or bias
+function from three functions evaluated on a grid. The table is written to
+``rates.calibration_path`` and used by every later process with the same profile (torch,
+attnkit, thread count, CPU class, fused build). About 10-30 s on 2 cores in float32.
+
+    python -m attnkit.backends.calibration float32 2     # what the background process runs
+    attnkit kernels calibrate                            # the same, in the foreground
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+
+from attnkit.backends import cost, rates
+from attnkit.backends.fused import jit
+from attnkit.functional import make_call, scaled_dot_product_attention
+from attnkit.masks import materialize, relative, window_fn
+
+__all__ = ["CONFIGS", "calibrate", "fit"]
+
+# (backend, (b, h, i, j, d), kind): small calls off auto's benchmark grid, chosen so that each
+# backend's four constants are separated (decode: call; one head: tile; plain sizes and d = 128:
+# GFLOP/s; functions and tensors: per pair).
+CONFIGS = [
+    ("torch", (1, 8, 1, 256, 64), "plain"),
+    ("torch", (2, 8, 384, 384, 64), "plain"),
+    ("torch", (1, 8, 1024, 1024, 64), "plain"),
+    ("torch", (1, 4, 768, 768, 128), "plain"),
+    ("torch", (1, 4, 2048, 2048, 64), "plain"),
+    ("torch", (1, 8, 768, 768, 64), "bias tensor"),
+    ("torch", (2, 8, 384, 384, 64), "document"),
+    ("tiled", (1, 8, 1, 256, 64), "plain"),
+    ("tiled", (1, 1, 1024, 1024, 64), "plain"),
+    ("tiled", (2, 8, 384, 384, 64), "plain"),
+    ("tiled", (1, 8, 1024, 1024, 64), "plain"),
+    ("tiled", (1, 4, 2048, 2048, 64), "plain"),
+    ("tiled", (1, 8, 768, 768, 64), "relative"),
+    ("tiled", (2, 8, 384, 384, 64), "document"),
+    ("fused", (1, 8, 1, 256, 64), "plain"),
+    ("fused", (1, 1, 1024, 1024, 64), "plain"),
+    ("fused", (2, 8, 384, 384, 64), "plain"),
+    ("fused", (1, 8, 1024, 1024, 64), "plain"),
+    ("fused", (1, 4, 768, 768, 128), "plain"),
+    ("fused", (1, 4, 2048, 2048, 64), "plain"),
+    ("fused", (1, 8, 768, 768, 64), "relative"),
+    ("fused", (1, 8, 1024, 1024, 64), "window"),
+    ("fused", (2, 8, 384, 384, 64), "document"),
+    ("sparse", (1, 1, 256, 256, 64), "window"),
+    ("sparse", (1, 1, 1024, 1024, 64), "window"),
+    ("sparse", (2, 8, 384, 384, 64), "window"),
+    ("sparse", (1, 8, 1024, 1024, 64), "window"),
+    ("math", (1, 8, 1, 256, 64), "plain"),
+    ("math", (2, 8, 384, 384, 64), "plain"),
+    ("math", (1, 8, 768, 768, 64), "plain"),
+    ("math", (1, 4, 768, 768, 128), "plain"),
+]
+EVAL_SHAPE = (1, 8, 768, 768)
+DECODE_STEPS = 20  # a decoding step takes microseconds: timed this many in a row
+WINDOW = 128
+
+
+def _alibi(h: int):
+    slopes = torch.tensor([2.0 ** (-8.0 * (x + 1) / h) for x in range(h)])
+
+    def alibi(b, h, i, j):  # ALiBi (Press et al. 2022): -slope_h * |i - j|
+        return -slopes[h] * (i - j).abs()
+
+    return relative(alibi)
+
+
+def _document(n: int):
+    ids = torch.arange(n) * 4 // max(1, n)  # four documents of equal length
+
+    def document(b, h, i, j):
+        return ids[i] == ids[j]
+
+    return document
+
+
+def _kwargs(kind: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> dict:
+    _, h, i, j, _ = shape
+    if kind == "plain":
+        return {}
+    if kind == "bias tensor":
+        return {"bias": torch.randn(1, h, i, j, generator=gen).to(dtype)}
+    if kind == "relative":
+        return {"bias": _alibi(h)}
+    if kind == "window":
+        return {"mask": window_fn(WINDOW - 1, 0)}
+    if kind == "document":
+        return {"mask": _document(j), "is_causal": True}
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def _step(fn, mode: str, inputs) -> None:
+    if mode == "fwd":
+        with torch.no_grad():
+            fn()
+        return
+    out = fn()
+    out.float().sum().backward()
+    for t in inputs:
+        t.grad = None
+
+
+def _measure(row: str, backends: list[str], repeats: int) -> tuple[list[dict], float]:
+    """Time every config of ``backends`` in both passes; return rows and the eval rate."""
+    dtype = getattr(torch, row)
+    gen = torch.Generator().manual_seed(0)
+    runs, found = [], []
+    for backend, shape, kind in CONFIGS:
+        if backend not in backends:
+            continue
+        b, h, i, j, d = shape
+        q = torch.randn(b, h, i, d, generator=gen).to(dtype).requires_grad_()
+        k = torch.randn(b, h, j, d, generator=gen).to(dtype).requires_grad_()
+        v = torch.randn(b, h, j, d, generator=gen).to(dtype).requires_grad_()
+        kw = _kwargs(kind, shape, dtype, gen)
+        steps = DECODE_STEPS if i == 1 else 1
+
+        def fn(q=q, k=k, v=v, kw=kw, backend=backend, steps=steps):
+            for _ in range(steps - 1):
+                scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+            return scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+
+        for mode in rates.PASSES:
+            with torch.set_grad_enabled(mode == "fwdbwd"):
+                terms = cost.terms(backend, make_call(q, k, v, **kw))
+            found.append({"backend": backend, "mode": mode, "terms": terms, "d": d, "steps": steps})
+            runs.append((fn, mode, (q, k, v)))
+    evals = []
+    for fn in (_alibi(EVAL_SHAPE[1]), _document(EVAL_SHAPE[-1])):
+        ops = cost._probe(fn, EVAL_SHAPE, torch.device("cpu")).at(EVAL_SHAPE).ops
+        evals.append((lambda fn=fn: materialize(fn, EVAL_SHAPE), ops))
+    times: list[list[float]] = [[] for _ in runs]
+    eval_times: list[list[float]] = [[] for _ in evals]
+    for r in range(repeats + 1):  # the first round warms up
+        for x, (fn, mode, inputs) in enumerate(runs):
+            start = time.perf_counter()
+            _step(fn, mode, inputs)
+            if r:
+                times[x].append(time.perf_counter() - start)
+        for x, (fn, _) in enumerate(evals):
+            start = time.perf_counter()
+            fn()
+            if r:
+                eval_times[x].append(time.perf_counter() - start)
+    # The fastest round: other work on the machine only ever adds time.
+    for entry, ts in zip(found, times, strict=True):
+        entry["seconds"] = min(ts) / entry["steps"]
+    eval_s = statistics.median(
+        min(ts) / ops for ts, (_, ops) in zip(eval_times, evals, strict=True)
+    )
+    return found, eval_s
+
+
+def _nnls(a: list[list[float]], y: list[float]) -> list[float]:
+    """Non-negative least squares for a few unknowns: the best of the least-squares solutions
+    over every subset of free unknowns whose solution is non-negative."""
+    a_t = torch.tensor(a, dtype=torch.float64)
+    y_t = torch.tensor(y, dtype=torch.float64).unsqueeze(1)
+    n = a_t.shape[1]
+    best, best_err = [0.0] * n, float((y_t**2).sum())
+    for size in range(1, n + 1):
+        for cols in itertools.combinations(range(n), size):
+            sub = a_t[:, list(cols)]
+            x = torch.linalg.lstsq(sub, y_t).solution.flatten()
+            if bool((x < 0).any()):
+                continue
+            err = float(((sub @ x.unsqueeze(1) - y_t) ** 2).sum())
+            if err < best_err:
+                best_err = err
+                best = [0.0] * n
+                for c, value in zip(cols, x.tolist(), strict=True):
+                    best[c] = value
+    return best
+
+
+def fit(found: list[dict], eval_s: float) -> dict[tuple[str, str], rates.Rates]:
+    """Each backend's and pass's ``Rates``, fitted on relative errors."""
+    table = {}
+    for backend, mode in sorted({(f["backend"], f["mode"]) for f in found}):
+        rows = [f for f in found if f["backend"] == backend and f["mode"] == mode]
+        a, y = [], []
+        for f in rows:
+            t, measured = f["terms"], f["seconds"]
+            flops = t.pairs * 2 * 2 * f["d"] / 1e9  # 2 (d + dv) flops per pair, d = dv
+            a.append([1.0 / measured, t.tiles / measured, flops / measured, t.extra / measured])
+            y.append((measured - eval_s * t.ops) / measured)
+        call, tile, per_gflop, pair = _nnls(a, y)
+        table[(backend, mode)] = rates.Rates(
+            call, tile, 1.0 / per_gflop if per_gflop else 1e6, pair
+        )
+    return table
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"
+
+
+def calibrate(row: str = "float32", repeats: int = 3) -> rates.Table:
+    """Measure this machine for ``row`` ("float32" or "bfloat16") with the current thread
+    count, write the table where auto reads it, and return it."""
+    if row not in ("float32", "bfloat16"):
+        raise ValueError(f"row must be 'float32' or 'bfloat16', got {row!r}")
+    start = time.perf_counter()
+    backends = ["torch", "tiled", "sparse", "math"]
+    built = jit.is_built()
+    if built:
+        backends.append("fused")
+    with torch.random.fork_rng():
+        found, eval_s = _measure(row, backends, repeats)
+    seconds = time.perf_counter() - start
+    meta = {
+        **rates.profile(row),
+        "fused": jit.build_key() if built else None,
+        "cpu": _cpu_name(),
+        "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "seconds": round(seconds, 1),
+    }
+    table = rates.Table(fit(found, eval_s), eval_s, "", meta)
+    rates.write_table(table, rates.calibration_path(row))
+    return table
+
+
+def _main(argv: list[str]) -> int:
+    """The background process: build the fused kernel where it can be and is not, then
+    calibrate one profile; exits at once when another process is doing it."""
+    row, threads = argv[0], int(argv[1])
+    os.environ["ATTNKIT_BACKGROUND"] = "0"  # this process never starts another
+    with jit.file_lock(jit.cache_dir() / "calibration.lock", 0.0) as held:
+        if not held:
+            return 0
+        if jit.prerequisites() is None and not jit.is_built():
+            try:
+                jit.build()
+            except jit.NotBuilt as error:
+                print(f"attnkit: {error}", file=sys.stderr)
+        torch.set_num_threads(threads)
+        if rates._read(row, threads) is None:  # not measured by another process meanwhile
+            table = calibrate(row)
+            print(f"attnkit: measured {row} with {threads} threads in {table.meta['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
