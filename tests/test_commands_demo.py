@@ -38,6 +38,7 @@ def test_the_quick_tour_prints_each_step_and_writes_its_pictures(
     gaps = _differences(out)
     assert len(gaps) == 2 and all(0 <= g < 1e-5 for g in gaps), gaps
     assert out.count("equal to float32 rounding: yes") == 2 and "NO" not in out
+    assert "(time: median of 5 interleaved rounds" in out and "timings are noisy" in out
     # 4. the pictures, at the printed paths
     png, page = out_dir / "attention.png", out_dir / "attention.html"
     assert f"heat map:  {png.resolve()}" in out and f"explorer:  {page.resolve()}" in out

@@ -3,7 +3,9 @@ decoding equals the full pass, and the peak-memory reading sees an allocation it
 
 from __future__ import annotations
 
+import itertools
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +21,28 @@ def test_both_routes_give_the_same_output_and_report_themselves() -> None:
     assert 0 <= r.max_difference < 1e-5
     assert r.bias_mb == pytest.approx(8 * 96 * 96 * 4 / 2**20)  # (1, h, n, n) float32
     assert r.dense.seconds > 0 and r.tiled.seconds > 0
+    assert len(r.ratios) == 1 and r.time_ratio == r.ratios[0] > 0
+
+
+def test_one_slow_round_cannot_flip_the_time_ratio(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every round: dense 1.0 s, tiled 0.5 s, except a load spike during round 2's tiled call.
+    # Rounds alternate who goes first: dense, tiled | tiled, dense | dense, tiled | ...
+    durations = iter([1.0, 0.5, 0.5, 1.0, 1.0, 9.5, 0.5, 1.0, 1.0, 0.5])
+    calls, now = itertools.count(), [0.0]
+
+    def perf_counter() -> float:
+        if next(calls) % 2:  # the end of a timed call
+            now[0] += next(durations)
+        return now[0]
+
+    monkeypatch.setattr(tour, "time", SimpleNamespace(perf_counter=perf_counter))
+    r = tour.compare_routes(64, rounds=5)
+    assert r.ratios == (0.5, 0.5, 9.5, 0.5, 0.5)
+    assert r.time_ratio == 0.5 and r.tiled.seconds == 0.5 and r.dense.seconds == 1.0
+    assert sum((1.0, 0.5, 0.5, 9.5, 0.5, 0.5)) / 5 > 1  # a mean would have said "slower"
+    assert tour.paired_ratios([2.0, 4.0], [1.0, 1.0]) == (0.5, 0.25)
+    with pytest.raises(ValueError, match="as many dense as tiled"):
+        tour.paired_ratios([1.0], [])
 
 
 def test_cached_decoding_equals_the_full_pass() -> None:

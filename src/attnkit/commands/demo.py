@@ -141,10 +141,13 @@ def step_routes(n: int) -> None:
     print(f"   {'route':<{width}}  {'time':>8}  {'peak memory':>11}")
     for label, route in ((dense, r.dense), (tiled, r.tiled)):
         print(f"   {label:<{width}}  {route.seconds:>7.2f}s  {_mb(route.peak_mb):>11}")
-    summary = f"   attnkit's route: {r.tiled.seconds / r.dense.seconds:.2f}x the time"
+    summary = f"   attnkit's route: {r.time_ratio:.2f}x the time"
     if r.dense.peak_mb and r.tiled.peak_mb is not None:
         summary += f" and {r.tiled.peak_mb / r.dense.peak_mb:.2f}x the peak memory"
-    print(summary + " of torch's dense route;")
+    print(summary + " of torch's dense route")
+    low, high = min(r.ratios), max(r.ratios)
+    rounds = f"median of {len(r.ratios)} interleaved rounds, {low:.2f}x-{high:.2f}x"
+    print(f"   (time: {rounds}; timings are noisy on a busy machine);")
     equal = "yes" if r.max_difference < 1e-5 else "NO"
     gap = f"{r.max_difference:.1e}"
     print(f"   max |difference| of the outputs {gap}; equal to float32 rounding: {equal}")

@@ -8,9 +8,11 @@ Press et al. 2022) over ``n`` tokens twice, with the same weights and input:
 - attnkit's tiled route: ALiBi as a bias function (``alibi_fn``) that the tiled backend
   evaluates tile by tile (backend ``"tiled"``), so no ``n x n`` tensor is ever built.
 
-Forward passes without autograd. Time is the median of rounds that interleave the two routes
-(so a change in the machine's load hits both); peak extra memory is what the call adds to the
-process's resident memory at its highest (Linux: ``VmHWM`` after resetting it through
+Forward passes without autograd. Each round runs both routes, one right after the other (in
+alternating order), so a change in the machine's load hits both; the time ratio is the median
+of the rounds' own ratios, so one slow round (or two of five) cannot flip it, and each route's
+time is its median over the rounds. Peak extra memory is what the call adds to the process's
+resident memory at its highest (Linux: ``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``; ``None`` elsewhere).
 
 ``kv_cache_gap(n)`` decodes ``n`` tokens one at a time through a ``KVCache`` and compares the
@@ -32,7 +34,14 @@ from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.positional import RotaryEmbedding, alibi_bias, alibi_fn
 from attnkit.registry import use
 
-__all__ = ["Route", "RouteComparison", "compare_routes", "kv_cache_gap", "peak_extra_mb"]
+__all__ = [
+    "Route",
+    "RouteComparison",
+    "compare_routes",
+    "kv_cache_gap",
+    "paired_ratios",
+    "peak_extra_mb",
+]
 
 HEADS = 8
 HEAD_DIM = 64
@@ -56,9 +65,23 @@ class RouteComparison:
     tiled: Route
     max_difference: float
     bias_mb: float  # the size of the dense route's materialised bias
+    ratios: tuple[float, ...] = ()  # each round's tiled time / dense time, in round order
+
+    @property
+    def time_ratio(self) -> float:
+        """The tiled route's time over the dense route's: the median of the rounds' ratios."""
+        return statistics.median(self.ratios)
 
 
-def compare_routes(n: int = 4096, *, rounds: int = 3, seed: int = 0) -> RouteComparison:
+def paired_ratios(dense: list[float], tiled: list[float]) -> tuple[float, ...]:
+    """Each round's ``tiled / dense`` time: both routes of a round ran under the same load."""
+    if len(dense) != len(tiled) or not dense:
+        raise ValueError(f"need as many dense as tiled times (>= 1), got {len(dense)} and "
+                         f"{len(tiled)}")  # fmt: skip
+    return tuple(t / d for d, t in zip(dense, tiled, strict=True))
+
+
+def compare_routes(n: int = 4096, *, rounds: int = 5, seed: int = 0) -> RouteComparison:
     """Time and peak memory of the dense and the tiled route for one layer over ``n`` tokens."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 16:
         raise ValueError(f"n must be an int >= 16, got {n!r}")
@@ -87,8 +110,9 @@ def compare_routes(n: int = 4096, *, rounds: int = 3, seed: int = 0) -> RouteCom
         difference = float((out_dense - out_tiled).abs().max())
         del out_dense, out_tiled
         times: dict[str, list[float]] = {"dense": [], "tiled": []}
-        for _ in range(rounds):
-            for name, fn in (("dense", dense), ("tiled", tiled)):
+        for r in range(rounds):
+            order = (("dense", dense), ("tiled", tiled))
+            for name, fn in order if r % 2 == 0 else order[::-1]:  # who goes first alternates
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)
@@ -98,6 +122,7 @@ def compare_routes(n: int = 4096, *, rounds: int = 3, seed: int = 0) -> RouteCom
         tiled=Route("tiled", statistics.median(times["tiled"]), tiled_mb),
         max_difference=difference,
         bias_mb=HEADS * n * n * 4 / 2**20,
+        ratios=paired_ratios(times["dense"], times["tiled"]),
     )
 
 
