@@ -77,10 +77,10 @@ functions per tile (sparse, tiled), then the others; a route that builds tensors
 kernel comes after them."""
 
 
-def _priority(name: str, terms: Terms) -> float:
+def _priority(name: str, work: _Work) -> float:
     """A backend's place in ``PRIORITY`` (1 = first), as the "seconds" auto ranks by."""
-    if name == "torch" and terms.materialised:
-        return len(PRIORITY) - 1.5  # after the tile loops, before chunked and math
+    if name == "torch" and (callable(work.call.mask) or callable(work.call.bias)):
+        return len(PRIORITY) - 1.5  # it would build them whole: after the tile loops
     return float(PRIORITY.index(name) + 1) if name in PRIORITY else float(len(PRIORITY) + 1)
 
 
@@ -257,7 +257,7 @@ def _priced(name: str, terms_fn, float64: float = 1.0):
         terms = terms_fn(work)
         rates = _rates(name, work)
         if rates is None:
-            return Estimate(_priority(name, terms), terms.materialised, terms.how, "priority")
+            return Estimate(_priority(name, work), terms.materialised, terms.how, "priority")
         seconds = price(rates, terms, work)
         if float64 != 1.0 and call.query.dtype == torch.float64:
             seconds *= float64
@@ -370,7 +370,7 @@ def chunked_cost(call: AttentionCall) -> Estimate:
     rates = _rates("math", work)
     forward = None if work.table is None else work.table.rows.get(("math", "fwd"))
     if rates is None or forward is None:
-        return Estimate(_priority("chunked", full), int(full.materialised * share), how, "priority")
+        return Estimate(_priority("chunked", work), int(full.materialised * share), how, "priority")
     seconds = price(rates, full, work) + chunks * rates.call
     if work.grad:
         seconds += price(forward, full, work)
