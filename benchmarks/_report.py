@@ -36,13 +36,19 @@ HEADER = (
 
 
 def cpu() -> str:
-    """The CPU's model name and whether it has AMX (bfloat16 matrix tiles), from /proc/cpuinfo."""
+    """The CPU's model name, its vector class (AVX-512, avx512_bf16, AVX2) and whether it has
+    AMX (bfloat16 matrix tiles), from /proc/cpuinfo."""
     info = Path("/proc/cpuinfo")
     text = info.read_text() if info.exists() else ""
     names = [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")]
     if not names:
         return platform.processor() or platform.machine()
-    return f"{names[0]} ({'with AMX' if ' amx_tile' in text else 'no AMX'})"
+    flags = set(text.split())
+    if "avx512f" in flags:
+        vector = "AVX-512 with avx512_bf16" if "avx512_bf16" in flags else "AVX-512"
+    else:
+        vector = "AVX2, no AVX-512" if "avx2" in flags else "no AVX2"
+    return f"{names[0]} ({vector}, {'with AMX' if 'amx_tile' in flags else 'no AMX'})"
 
 
 def environment() -> str:

@@ -17,8 +17,13 @@ medians. The machine is shared, so single cells move by 5-20 % between runs: rea
 fastest together with the spread of its neighbours. After timing, auto's call runs once more
 per pass with the peak resident set reset (``/proc/self/clear_refs``): its peak extra memory.
 
+Before the grid, auto's own calibration runs for each dtype with the grid's thread count, in
+a fresh process (``attnkit kernels calibrate``, building the fused kernel first when it is not
+built), as a user's machine would do it; its time is reported. ``--threads 1`` measures the
+one-thread profile (its own calibration), written to its own section.
+
     python benchmarks/auto.py --sizes 512 2048 --dtypes float32 --kinds alibi --modes fwd
-    python benchmarks/auto.py --calibrate      # measure the cost model's constants (RATES)
+    python benchmarks/auto.py --threads 1
 """
 
 from __future__ import annotations
@@ -191,14 +196,15 @@ def summarise(job: dict, result: dict) -> list[dict]:
     return rows
 
 
-def render(rows: list[dict], command: str, elapsed: float, repeats: int) -> str:
+def render(rows: list[dict], command: str, elapsed: float, repeats: int, threads: int = 2) -> str:
     from _report import environment
 
     ratios = [r["auto_s"] / r["fastest_s"] for r in rows]
     within = sum(x <= 1.10 for x in ratios)
     over = [r for r in rows if r["materialised"] and r["materialised"] > r["budget"]]
     lines = [
-        "## auto: the chosen route against the fastest",
+        f"## auto: the chosen route against the fastest, {threads} thread"
+        + ("s" if threads > 1 else ""),
         "",
         f"Command: {command} ({elapsed / 60:.1f} min). {environment()}; "
         "h=8, d=64; b = 4 up to n = 1024, 2 at 2048, 1 "
@@ -245,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-dense-gb", type=float, default=6.0, help="skip bigger dense routes")
-    parser.add_argument("--calibrate", action="store_true", help="measure the cost constants")
+    parser.add_argument(
+        "--no-calibrate", action="store_true", help="keep auto's measurements as they are"
+    )
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument(
         "--tables", nargs="+", metavar="JSON", help="render rows saved by --json runs, no timing"
@@ -255,33 +263,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        job = json.loads(args.worker)
-        if job.get("kind") == "calibrate":
-            from _calibrate import measure
-
-            print(json.dumps(measure(job)))
-        else:
-            print(json.dumps(cell(job)))
+        print(json.dumps(cell(json.loads(args.worker))))
         return 0
-    if args.calibrate:
-        from _calibrate import calibrate
-
-        return calibrate(args, run_worker)
     command = shlex.join(
         ["python", "benchmarks/auto.py", *(argv if argv is not None else sys.argv[1:])]
     )
+    import torch
+
+    torch.set_num_threads(args.threads)  # the environment line names the grid's thread count
     rows: list[dict] = []
     started = time.time()
+    section = "auto" if args.threads == 2 else f"auto-{args.threads}-thread"
+    calibrated = "" if args.no_calibrate or args.tables else calibrate(args.threads, args.dtypes)
     if args.tables:
         saved = [json.loads(Path(f).read_text()) for f in args.tables]
         rows = [r for part in saved for r in part["rows"]]
         command = " and ".join(f"`{part['command']}`" for part in saved)
+        calibrated = " ".join(part.get("calibrated", "") for part in saved)
         md = render(rows, command, sum(part["elapsed"] for part in saved), args.repeats)
+        md = md.replace("\n\n", f"\n\n{calibrated}\n\n", 1) if calibrated else md
         print(md)
         if not args.no_write:
             from _report import write_section
 
-            print(f"wrote {write_section('auto', md)}", file=sys.stderr)
+            print(f"wrote {write_section(section, md)}", file=sys.stderr)
         return 0
     for n in args.sizes:
         for dtype in args.dtypes:
@@ -311,15 +316,34 @@ def main(argv: list[str] | None = None) -> int:
                     )
     elapsed = time.time() - started
     if args.json:
-        saved = {"command": command, "elapsed": elapsed, "rows": rows}
+        saved = {"command": command, "elapsed": elapsed, "rows": rows, "calibrated": calibrated}
         Path(args.json).write_text(json.dumps(saved, indent=1))
-    md = render(rows, f"`{command}`", elapsed, args.repeats)
+    md = render(rows, f"`{command}`", elapsed, args.repeats, args.threads)
+    md = md.replace("\n\n", f"\n\n{calibrated}\n\n", 1) if calibrated else md
     print(md)
     if not args.no_write:
         from _report import write_section
 
-        print(f"wrote {write_section('auto', md)}", file=sys.stderr)
+        print(f"wrote {write_section(section, md)}", file=sys.stderr)
     return 0
+
+
+def calibrate(threads: int, dtypes: list[str]) -> str:
+    """auto's own calibration for this thread count, in a fresh process, as a user gets it
+    (``attnkit kernels calibrate``); returns a sentence with its times."""
+    import subprocess
+
+    command = [sys.executable, "-m", "attnkit.cli", "kernels", "calibrate"]
+    command += ["--threads", str(threads), "--dtypes", *dtypes]
+    start = time.time()
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    print(out, file=sys.stderr, end="")
+    took = [line.split("measured in ")[1] for line in out.splitlines() if "measured in" in line]
+    return (
+        f"auto's calibration on this profile ({threads} thread{'s' if threads > 1 else ''}): "
+        f"{', '.join(f'{d} {t}' for d, t in zip(dtypes, took, strict=False))} "
+        f"({time.time() - start:.0f} s with process start and any kernel build)."
+    )
 
 
 if __name__ == "__main__":
