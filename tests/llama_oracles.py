@@ -157,16 +157,18 @@ def write_gguf(
     qtype: str = "F32",
     skip: tuple[str, ...] = (),
     reshape: dict[str, tuple[int, ...]] | None = None,
+    block_count: int | None = None,
 ) -> Path:
     """Write ``hf_model``'s weights as llama.cpp's converter does: GGUF names, q/k rows
     permuted (``LlamaModel.permute`` in convert_hf_to_gguf.py, written out here), 2-D weights in
-    ``qtype``, norms in F32, and a byte-level tokenizer with a chat template."""
+    ``qtype``, norms in F32, and a byte-level tokenizer with a chat template. ``block_count``:
+    the layer count the metadata claims (default: the model's)."""
     import gguf
     import numpy as np
 
     c = hf_model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(c.num_hidden_layers)
+    writer.add_block_count(c.num_hidden_layers if block_count is None else block_count)
     writer.add_uint32(f"{arch}.context_length", c.max_position_embeddings)
     writer.add_uint32(f"{arch}.embedding_length", c.hidden_size)
     writer.add_uint32(f"{arch}.feed_forward_length", c.intermediate_size)

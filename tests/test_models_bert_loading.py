@@ -169,10 +169,11 @@ def _big_config(directory: Path, path: Path, **changes: object) -> None:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmSize (Linux)")
+@pytest.mark.parametrize("layers", [100_000, 2**31 - 1])
 def test_an_oversized_config_is_refused_in_under_a_second_within_a_memory_limit(
-    tmp_path, path
+    tmp_path, path, layers: int
 ) -> None:
-    _big_config(tmp_path, path, num_hidden_layers=100_000)
+    _big_config(tmp_path, path, num_hidden_layers=layers)
     proc = subprocess.run(
         [sys.executable, "-c", _LOAD_UNDER_A_LIMIT, str(tmp_path)],
         capture_output=True,
@@ -183,7 +184,7 @@ def test_an_oversized_config_is_refused_in_under_a_second_within_a_memory_limit(
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     assert outcome["error"] == "ValueError", outcome
     message = outcome["message"]
-    assert "model.safetensors" in message and "num_hidden_layers=100000" in message
+    assert "model.safetensors" in message and f"num_hidden_layers={layers}" in message
     assert "the weights hold 6 layer(s)" in message
     assert "encoder.layer.6.attention.self.query.weight" in message
     assert outcome["seconds"] < 1.0, outcome

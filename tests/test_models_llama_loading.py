@@ -116,6 +116,33 @@ def test_missing_and_misshapen_tensors_are_listed_before_reading(tmp_path, hf_ti
     assert "blk.0.attn_k.weight (48, 64)" in message and "(128, 64)" in message
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("kind", ["gguf", "hf"])
+@pytest.mark.parametrize(
+    ("layers", "why"), [(2**31 - 1, r"there is no {}2\.\* tensor"), (1, r"{}1\.\* is beyond it")]
+)
+def test_a_layer_count_the_tensors_do_not_bear_out_is_refused_first(
+    tmp_path, hf_tiny, kind: str, layers: int, why: str
+) -> None:
+    """llama.block_count (GGUF) or num_hidden_layers (config.json) is checked against the
+    layers the tensors hold before anything that grows with it is built (a claim of 2**31 - 1
+    layers in a 41 KB file ran out of memory)."""
+    if kind == "gguf":
+        path = write_gguf(tmp_path / "claims.gguf", hf_tiny, block_count=layers)
+        setting, prefix = r"llama\.block_count", r"blk\."
+    else:
+        path = tmp_path
+        hf_tiny.save_pretrained(path)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+        setting, prefix = r"config\.json's num_hidden_layers", r"model\.layers\."
+    started = time.perf_counter()
+    with pytest.raises(CheckpointError, match=rf"{setting} is {layers:,}, but the tensors hold 2 "
+                       rf"layer\(s\) \({why.format(prefix)}\)"):  # fmt: skip
+        read_checkpoint(path)
+    assert time.perf_counter() - started < 1.0
+
+
 def test_truncated_and_foreign_files_give_named_errors(tmp_path) -> None:
     source = bundled_model_path()
     for size in (1_000, 1_000_000, source.stat().st_size - 1):

@@ -38,6 +38,7 @@ __all__ = [
     "find_weights_file",
     "hf_parameter_names",
     "hf_state_dict_to_attnkit",
+    "layer_mismatch",
     "load_bert_weights",
     "read_state_dict",
     "read_tensor_shapes",
@@ -178,6 +179,21 @@ _SIZES = (
 )
 
 
+def layer_mismatch(found: set[int], n: int, missing: str, beyond: str) -> str | None:
+    """``None`` when the layer indices ``found`` in a weights file are exactly ``0 .. n - 1``
+    (``n``: the layer count a config claims); else why not, in words: the first index below
+    ``n`` that no tensor has (``missing`` with ``{}`` for the index names what is absent), or
+    the largest index found, past ``n`` (``beyond``, formatted alike). The work grows with
+    ``found``, never with ``n``: a config may claim 2**31 - 1 layers, and nothing may be built
+    from that number before the weights bear it out."""
+    if len(found) == n and (not found or max(found) == n - 1):
+        return None
+    gap = next((k for k in range(min(n, len(found) + 1)) if k not in found), None)
+    if gap is not None:
+        return f"there is no {missing.format(gap)}"
+    return f"{beyond.format(max(found))} is beyond it"
+
+
 def check_config_matches_weights(
     config: BertConfig,
     shapes: dict[str, tuple[int, ...]],
@@ -196,15 +212,11 @@ def check_config_matches_weights(
     """
     prefix = "bert." if any(k.startswith("bert.") for k in shapes) else ""
     own = {k[len(prefix) :]: v for k, v in shapes.items() if k.startswith(prefix)}
-    layers = sorted({int(m.group(1)) for k in own if (m := _LAYER.match(k))})
+    layers = {int(m.group(1)) for k in own if (m := _LAYER.match(k))}
     n = config.num_hidden_layers
-    if layers != list(range(n)):
-        gap = next((k for k in range(n) if k not in layers), None)
-        why = (
-            f"there is no {prefix}encoder.layer.{gap}.attention.self.query.weight"
-            if gap is not None
-            else f"{prefix}encoder.layer.{layers[-1]}.* is beyond it"
-        )
+    layer = f"{prefix}encoder.layer.{{}}."
+    why = layer_mismatch(layers, n, layer + "attention.self.query.weight", layer + "*")
+    if why is not None:
         raise ValueError(
             f"{source}: {config_source} says num_hidden_layers={n}, but the weights hold "
             f"{len(layers)} layer(s) ({why})"

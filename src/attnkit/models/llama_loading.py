@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attnkit.models.bert_loading import read_state_dict, read_tensor_shapes
+from attnkit.models.bert_loading import layer_mismatch, read_state_dict, read_tensor_shapes
 from attnkit.models.gguf_file import GGUFFormatError, read_header
 from attnkit.models.llama_config import LlamaConfig
 
@@ -178,6 +179,7 @@ def _read_gguf(path: Path) -> LlamaCheckpoint:
         )
     infos = header.tensors
     config = LlamaConfig.from_gguf_metadata(meta, tie_embeddings="output.weight" not in infos)
+    _check_layer_count(path, config, infos, _GGUF_LAYER, "llama.block_count", "blk.{}.")
 
     floats = {int(GGMLQuantizationType.F32): "f4", int(GGMLQuantizationType.F16): "f2"}
     # gguf's block de-quantisers read little-endian blocks; plain floats take either order.
@@ -258,6 +260,9 @@ def _read_hf_dir(path: Path) -> LlamaCheckpoint:
     raw = dict(raw)
     raw.setdefault("tie_word_embeddings", "lm_head.weight" not in shapes)
     config = LlamaConfig.from_hf(raw)
+    _check_layer_count(
+        path, config, shapes, _HF_LAYER, "config.json's num_hidden_layers", "model.layers.{}."
+    )
     groups = {target: [name] for name, target in _TOP_HF.items()}
     for n in range(config.num_layers):
         p = f"model.layers.{n}."
@@ -285,6 +290,31 @@ def _read_hf_dir(path: Path) -> LlamaCheckpoint:
 
 
 # --- checks ---------------------------------------------------------------------------------
+
+
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _check_layer_count(
+    path: Path,
+    config: LlamaConfig,
+    names: Iterable[str],
+    pattern: re.Pattern[str],
+    setting: str,
+    prefix: str,
+) -> None:
+    """The layers the tensors hold must be exactly the ``num_layers`` the config claims, checked
+    before the expected names and shapes are listed: that list grows with ``num_layers``, so a
+    claim of 2**31 - 1 layers must not reach it (``bert_loading.layer_mismatch``, which the
+    BERT loader uses too)."""
+    layers = {int(m.group(1)) for name in names if (m := pattern.match(name))}
+    why = layer_mismatch(layers, config.num_layers, prefix + "* tensor", prefix + "*")
+    if why is not None:
+        raise CheckpointError(
+            f"{str(path)!r}: {setting} is {config.num_layers:,}, but the tensors hold "
+            f"{len(layers)} layer(s) ({why})"
+        )
 
 
 def _check_shapes(
