@@ -354,6 +354,24 @@ def test_jupyter_repr_works_inside_its_iframe(page: Page) -> None:
     page.assert_clean()
 
 
+def test_the_notebook_frame_grows_to_show_the_whole_page(page: Page) -> None:
+    # 6 layers x 12 heads over 30 tokens: a page about 2,400 px tall in a 1280 px window, far
+    # more than the frame's first 760 px.
+    explorer = AttentionExplorer(_attention(6, 12, 30, 30), [f"w{n}" for n in range(30)])
+    host = page.tmp_path / "notebook.html"
+    host.write_text("<!DOCTYPE html><meta charset='utf-8'>" + explorer._repr_html_(), "utf-8")
+    pg = page.page
+    pg.goto(host.as_uri())
+    frame = pg.frame_locator("iframe.attnkit-explorer-frame")
+    frame.locator(".attnkit-explorer[data-ready]").wait_for(timeout=60_000)
+    frame_height = "() => document.querySelector('iframe.attnkit-explorer-frame').clientHeight"
+    pg.wait_for_function(f"({frame_height})() > 1000", timeout=20_000)
+    height = pg.evaluate(frame_height)
+    page_height = frame.locator("html").evaluate("html => html.scrollHeight")
+    assert height > 1500 and height >= page_height, (height, page_height)
+    page.assert_clean()
+
+
 @pytest.mark.slow
 def test_minilm_sized_input_with_300_tokens(page: Page) -> None:
     # The bundled MiniLM's shape (6 layers x 12 heads) over 300 tokens: the page loads, switches

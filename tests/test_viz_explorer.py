@@ -259,10 +259,16 @@ def test_repr_html_is_a_sandboxed_iframe_of_the_page() -> None:
     explorer = AttentionExplorer(_attention(1, 2, 7, 7), TOKENS, title=XSS)
     snippet = explorer._repr_html_()
     match = re.fullmatch(
-        r'<iframe [^>]*sandbox="allow-scripts"[^>]*srcdoc="([^"]*)"></iframe>', snippet
+        r'<iframe id="([\w-]+)"[^>]*sandbox="allow-scripts"[^>]*srcdoc="([^"]*)"></iframe>'
+        r"<script>(.*)</script>",
+        snippet,
+        flags=re.S,
     )
     assert match is not None
-    assert html.unescape(match.group(1)) == explorer.to_html()
+    assert html.unescape(match.group(2)) == explorer.to_html()
+    # The script after the frame fits the frame's height to the page, found by its own id.
+    assert f'getElementById("{match.group(1)}")' in match.group(3)
+    assert match.group(1) != re.match(r'<iframe id="([\w-]+)"', explorer._repr_html_()).group(1)
 
 
 def test_save_is_atomic_and_checks_the_path(tmp_path: Path) -> None:

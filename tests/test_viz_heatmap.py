@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,27 @@ def test_svg(tmp_path: Path) -> None:
     path = save_figure(plot_attention(_attention(3, 3), ["x", "y", "z"]), tmp_path / "h.svg")
     text = path.read_text(encoding="utf-8")
     assert "<svg" in text and "</svg>" in text
+
+
+def test_figures_show_themselves_in_a_notebook_without_matplotlib_inline() -> None:
+    from matplotlib.figure import Figure
+
+    att = _attention(2, 3, 4, 4)
+    tokens = ["a", "b", "c", "d"]
+    figures = [
+        plot_attention(att[0, 0], tokens, figsize=(4.0, 3.0), dpi=50),
+        plot_heads(att, tokens, layer=1),
+        plot_overview(att, tokens),
+        plot_grid(att, tokens),
+    ]
+    for fig in figures:
+        assert isinstance(fig, Figure)
+        # Jupyter looks the method up on the class: a PNG of the figure at its own size.
+        png = type(fig)._repr_png_(fig)
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        width, height = (fig.get_size_inches() * fig.dpi).round().astype(int)
+        image = mpimg.imread(io.BytesIO(png), format="png")
+        assert image.shape[:2] == (height, width)
 
 
 def test_grid_of_heads() -> None:

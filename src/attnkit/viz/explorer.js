@@ -482,6 +482,14 @@
     if (box) box.textContent = "The explorer could not start: " + err;
     throw err;
   }
+  // Inside a notebook's iframe (AttentionExplorer._repr_html_) the page tells the notebook its
+  // height whenever it changes, so the frame can grow to show all of it instead of clipping it.
+  if (window.parent !== window && typeof ResizeObserver !== "undefined") {
+    var tellHeight = function () {
+      window.parent.postMessage({attnkitExplorerHeight: document.documentElement.scrollHeight}, "*");
+    };
+    new ResizeObserver(tellHeight).observe(document.body);
+  }
   var roots = document.querySelectorAll(".attnkit-explorer");
   for (var n = 0; n < roots.length; n++) {
     if (roots[n].dataset.ready || roots[n].dataset.started) continue;

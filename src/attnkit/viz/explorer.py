@@ -36,6 +36,7 @@ import base64
 import html as _html
 import os
 import re
+import uuid
 import zlib
 from collections.abc import Mapping, Sequence
 from functools import cache
@@ -259,10 +260,16 @@ class AttentionExplorer:
 
     def _repr_html_(self) -> str:
         # A sandboxed iframe keeps the page's ids, styles and script apart from the notebook's.
+        # The page posts its height to the notebook, and the script after the frame sets the
+        # frame's height to it (the page is 700 to 4,500 px tall, depending on the tokens,
+        # layers and heads). Where a notebook runs no scripts of its outputs (an untrusted
+        # notebook), the frame stays 760 px tall, scrolls, and can be dragged taller.
+        frame_id = f"attnkit-explorer-{uuid.uuid4().hex}"
         return (
-            '<iframe class="attnkit-explorer-frame" sandbox="allow-scripts" '
-            'style="width:100%;height:760px;border:1px solid #ddd" '
+            f'<iframe id="{frame_id}" class="attnkit-explorer-frame" sandbox="allow-scripts" '
+            'style="width:100%;height:760px;border:1px solid #ddd;resize:vertical" '
             f'srcdoc="{_html.escape(self.to_html(), quote=True)}"></iframe>'
+            + _FIT_FRAME.replace("FRAME_ID", frame_id)
         )
 
 
@@ -296,6 +303,19 @@ def save_html(html: str | AttentionExplorer, path: str | os.PathLike[str]) -> Pa
         )
     return atomic_write_text(path, html_text)
 
+
+# Sets the frame's height to the one its page posts (explorer.js), once the page has drawn.
+_FIT_FRAME = """<script>
+(function () {
+  var frame = document.getElementById("FRAME_ID");
+  window.addEventListener("message", function (event) {
+    var height = event.data && event.data.attnkitExplorerHeight;
+    if (frame && event.source === frame.contentWindow && typeof height === "number") {
+      frame.style.height = Math.ceil(height) + 2 + "px";
+    }
+  });
+})();
+</script>"""
 
 _PAGE = """<!DOCTYPE html>
 <html lang="en">

@@ -15,6 +15,7 @@ import io
 import math
 import os
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,32 @@ SAVE_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 def _matplotlib() -> Any:
     try:
         import matplotlib
-        from matplotlib.figure import Figure
     except ImportError as exc:
         raise ImportError(
             "attnkit.viz heat maps need matplotlib: pip install 'attnkit[viz]'"
         ) from exc
-    return matplotlib, Figure
+    return matplotlib, _figure_class()
+
+
+@cache
+def _figure_class() -> type:
+    """``matplotlib.figure.Figure`` that shows itself as a PNG in Jupyter.
+
+    A ``Figure`` made without pyplot is shown in a notebook only where ``%matplotlib inline``
+    registered a picture for it; otherwise the notebook prints ``<Figure size ...>``. With
+    ``_repr_png_`` it shows as a picture either way (where ``%matplotlib inline`` is on, its
+    own printer for figures is used instead, so nothing shows twice).
+    """
+    from matplotlib.figure import Figure
+
+    class AttentionFigure(Figure):
+        def _repr_png_(self) -> bytes:
+            buffer = io.BytesIO()
+            self.savefig(buffer, format="png", dpi=self.dpi)
+            return buffer.getvalue()
+
+    AttentionFigure.__module__ = __name__
+    return AttentionFigure
 
 
 def _short(token: str, limit: int) -> str:
