@@ -31,6 +31,33 @@ def test_user_errors_become_one_line_and_exit_2(capsys, monkeypatch) -> None:
     assert err.strip() == "attnkit demo: error: query of shape (2, 3) is not what was expected"
 
 
+def _subcommands(parser) -> list:
+    """Every (sub)command parser below ``parser``: ``train``, ``kernels build``, ..."""
+    import argparse
+
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += [sub, *_subcommands(sub)]
+    return found
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    import argparse
+
+    commands = _subcommands(cli.build_parser())
+    assert {"attnkit train", "attnkit show", "attnkit generate"} <= {c.prog for c in commands}
+    silent = [
+        f"{command.prog} {'/'.join(action.option_strings) or action.dest}"
+        for command in commands
+        for action in command._actions
+        if not isinstance(action, argparse._SubParsersAction)
+        and (not action.help or action.help == argparse.SUPPRESS)
+    ]
+    assert silent == [], "options without a --help text"
+
+
 def test_console_entry_point_runs_in_a_fresh_process(tmp_path: Path) -> None:
     argv = ["demo", "--quick", "--n", "64", "--out-dir", str(tmp_path)]
     proc = subprocess.run(
