@@ -82,6 +82,16 @@ def test_png_of_one_head(fake: FakeBert, tmp_path: Path, capsys: pytest.CaptureF
     assert f"wrote {out}" in capsys.readouterr().out
 
 
+def test_pdf_like_save_figure(fake: FakeBert, tmp_path: Path) -> None:
+    from attnkit.viz.heatmap import SAVE_FORMATS
+
+    out = tmp_path / "a.pdf"
+    assert main(["show", "a b c", "--out", str(out), "--layer", "0", "--head", "1"]) == 0
+    assert out.read_bytes().startswith(b"%PDF-")
+    for suffix in SAVE_FORMATS:  # every format save_figure writes is one show accepts
+        assert main(["show", "a b", "--out", str(tmp_path / f"b{suffix}"), "--top", "0"]) == 0
+
+
 @pytest.mark.parametrize("extra", [["--layer", "0"], []])
 def test_svg_of_a_layer_or_everything(fake: FakeBert, tmp_path: Path, extra: list[str]) -> None:
     out = tmp_path / "a.svg"

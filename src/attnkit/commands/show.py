@@ -2,9 +2,10 @@
 Face model's with ``--model DIR`` (a directory with ``config.json``, weights and tokenizer).
 
 Writes the interactive explorer (``--out x.html``, the default ``attention.html``) or a picture
-(``--out x.png`` / ``x.svg``): one head with ``--layer L --head H``, every head of a layer with
-``--layer L`` alone, all layers by all heads without either. Prints the path and the strongest
-links between words of one map. Layers and heads count from 0.
+(``--out x.png``, ``x.svg`` or ``x.pdf``: the formats ``save_figure`` writes): one head with
+``--layer L --head H``, every head of a layer with ``--layer L`` alone, all layers by all heads
+without either. Prints the path and the strongest links between words of one map. Layers and
+heads count from 0.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-PICTURES = (".png", ".svg")
 PAGES = (".html", ".htm")
 SPECIAL_TOKENS = frozenset({"[CLS]", "[SEP]", "[PAD]", "<s>", "</s>", "<pad>"})
 BAR = "█"
@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--out",
         default="attention.html",
-        help="output file: .html (interactive explorer, the default attention.html), .png, .svg",
+        help="output file: .html (interactive explorer, the default attention.html), or a "
+        "picture: .png, .svg, .pdf",
     )
     parser.add_argument("--top", type=int, default=8, help="how many strongest links to print")
     parser.set_defaults(func=run)
@@ -139,7 +140,8 @@ def write_output(
     head: int | None,
     model: str = BUNDLED,
 ) -> Path:
-    """The explorer (.html) or a heat map (.png/.svg) of ``attention`` (l, h, i, i) at ``out``."""
+    """The explorer (.html) or a heat map (.png/.svg/.pdf) of ``attention`` (l, h, i, i) at
+    ``out``."""
     from attnkit.viz.explorer import AttentionExplorer
     from attnkit.viz.heatmap import plot_attention, plot_heads, plot_overview, save_figure
 
@@ -168,16 +170,19 @@ def write_output(
 
 def run(args: argparse.Namespace) -> int:
     from attnkit._io import check_writable
+    from attnkit.viz.heatmap import SAVE_FORMATS
 
+    pictures = tuple(SAVE_FORMATS)  # what save_figure writes
     text = args.text
     if not text.strip():
         raise ValueError('TEXT is empty; give a sentence, e.g. attnkit show "The cat sat."')
     out = check_writable(args.out)  # fail before loading the model
-    if out.suffix.lower() not in PICTURES + PAGES:
+    if out.suffix.lower() not in pictures + PAGES:
         raise ValueError(
-            f"--out {args.out!r}: unknown kind of file; use .html (explorer), .png or .svg"
+            f"--out {args.out!r}: unknown kind of file; use .html (explorer) or a picture: "
+            + ", ".join(pictures)
         )
-    if out.suffix.lower() in PICTURES and args.head is not None and args.layer is None:
+    if out.suffix.lower() in pictures and args.head is not None and args.layer is None:
         raise ValueError("--head needs --layer for a picture (which layer's head?)")
     if args.top < 0:
         raise ValueError(f"--top must be 0 or more, got {args.top}")
