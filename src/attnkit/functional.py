@@ -82,8 +82,12 @@ def scaled_dot_product_attention(
         dropout_p: probability of zeroing an attention weight (survivors are scaled by
             ``1 / (1 - p)``). Pass ``0.0`` at inference; modules do this from ``self.training``.
         return_weights: also return the attention weights ``(..., h, i, j)`` (before dropout).
-        backend: ``"auto"`` (torch's fused kernel when it can serve the call, else the math),
-            ``"math"`` (the reference below), ``"torch"``, or any registered backend.
+        backend: ``"auto"`` (the backend this machine's measurements say is fastest for the
+            call, within a memory budget; before any measurement, and on CUDA or MPS, torch's
+            kernel wherever it serves the call without building an ``n x n`` tensor, else a
+            tile loop: ``attnkit.backends.explain`` says which and why), ``"math"`` (the
+            reference below), ``"torch"``, ``"tiled"``, ``"fused"`` (compiled on this call
+            when not built yet), ``"sparse"``, ``"chunked"``, or any registered backend.
         generator: random generator for dropout, for reproducible masks.
         softcap: caps the scaled dot products, ``softcap * tanh(scale * q.k / softcap)``
             (logit soft-capping, Gemma 2); ``bias`` is added after the cap, uncapped, and masks
