@@ -95,6 +95,35 @@ def test_a_failed_flush_to_disk_or_rename_keeps_the_old_file(
     assert _names(tmp_path) == ["out.txt"]
 
 
+@pytest.mark.parametrize("step", ["open", "replace"])
+def test_an_error_names_the_file_not_its_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    path = tmp_path / "out.txt"
+    real = getattr(os, step)
+
+    def refused(*args: object, **kwargs: object) -> object:
+        if not any(TEMPORARY.search(str(a)) for a in args):
+            return real(*args, **kwargs)
+        raise PermissionError(13, "Permission denied", str(args[0]))  # as the OS words it
+
+    monkeypatch.setattr(_io.os, step, refused)
+    with pytest.raises(PermissionError) as caught:
+        atomic_write_text(path, "new")
+    monkeypatch.undo()
+    assert str(caught.value) == f"[Errno 13] Permission denied: {str(path)!r}"
+    assert ".tmp" not in str(caught.value) and caught.value.__cause__ is None
+    assert _names(tmp_path) == []
+
+
+def test_a_name_the_file_system_takes_is_written_though_its_temporary_is_longer(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / ("a" * 250 + ".txt")  # 254 bytes: allowed; ".<name>.<12 hex>.tmp" is not
+    assert atomic_write_text(path, "x").read_text(encoding="utf-8") == "x"
+    assert _names(tmp_path) == [path.name]
+
+
 def test_a_killed_writer_leaves_the_old_file_and_only_a_hidden_temporary(tmp_path: Path) -> None:
     path = tmp_path / "out.txt"
     path.write_text("old", encoding="utf-8")

@@ -37,22 +37,34 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "w", **kwargs: object)
 
     If the block raises (or the process dies), ``path`` is untouched and the temporary file is
     removed (or left as ``.<name>.*.tmp``, never under the real name). The file's permissions are
-    those ``open(path, mode)`` would give (see the module docstring).
+    those ``open(path, mode)`` would give (see the module docstring). An error in creating the
+    temporary file or in renaming it names ``path``: the temporary name means nothing to a user.
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open supports modes 'w' and 'wb', got {mode!r}")
     path = check_writable(path)
-    fd, tmp = _create_temporary(path)
+    try:
+        fd, tmp = _create_temporary(path)
+    except OSError as exc:
+        raise _about(path, exc) from None
     try:
         with os.fdopen(fd, mode, **kwargs) as handle:  # type: ignore[call-overload]
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise _about(path, exc) from None
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _about(path: Path, exc: OSError) -> OSError:
+    """``exc`` told about ``path`` instead of the temporary file (same errno, same subclass)."""
+    return OSError(exc.errno, exc.strerror or str(exc), str(path))
 
 
 def _create_temporary(path: Path) -> tuple[int, str]:
@@ -67,7 +79,9 @@ def _create_temporary(path: Path) -> tuple[int, str]:
         keep = None
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     while True:
-        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
+        # A name the file system takes (at most 255 bytes) must not fail for its temporary one,
+        # 19 characters longer: the temporary one keeps at most 200 of its characters.
+        tmp = str(path.parent / f".{path.name[:200]}.{secrets.token_hex(6)}.tmp")
         try:
             fd = os.open(tmp, flags, 0o666)
         except FileExistsError:  # pragma: no cover - 48 random bits already taken
