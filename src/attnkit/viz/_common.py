@@ -63,9 +63,17 @@ def as_attention4d(
     """Checks shapes against the tokens; returns ``(weights (l, h, i, j), tokens, key_tokens)``."""
     arr = as_array(attention, name)
     if arr.ndim == 5:
+        # transformers' output_attentions is a tuple of per-layer (batch, heads, i, j) tensors,
+        # which a tuple index such as [:, 0] cannot pick from.
+        pick = (
+            "[a[0] for a in attentions] (a tuple or list of one tensor per layer, as "
+            "transformers' output_attentions gives)"
+            if isinstance(attention, tuple | list)
+            else "attentions[:, 0]"
+        )
         raise ValueError(
             f"{name} has shape {tuple(arr.shape)}, which looks like (layers, batch, heads, i, j); "
-            "pick one item of the batch first, e.g. attentions[:, 0]"
+            f"pick one item of the batch first, e.g. {pick}"
         )
     if arr.ndim not in (2, 3, 4):
         raise ValueError(
