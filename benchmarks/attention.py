@@ -36,7 +36,8 @@ FLOPs: forward ``4 b h n^2 d`` (half for causal, ``4 b h n w d`` for a window of
 forward+backward 3.5x the forward (FlashAttention's convention: backward = 2.5 forwards).
 
     python benchmarks/attention.py                # the full table (30-40 min, quiet machine)
-    python benchmarks/attention.py --quick        # n = 512, 1024, 2 rounds: a smoke run
+    python benchmarks/attention.py --quick        # a smoke run: n = 512, 1024, 2 rounds, time
+                                                  # only, docs/benchmarks.md left as it is
 """
 
 from __future__ import annotations
@@ -271,7 +272,10 @@ def fits(method: str, b: int, n: int, max_dense_gb: float) -> bool:
     return per * b * HEADS * n * n / 1e9 <= max_dense_gb
 
 
-def main(argv: list[str] | None = None) -> int:
+QUICK_SIZES = [512, 1024]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--sizes", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384]
@@ -287,16 +291,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     parser.add_argument("--no-memory", action="store_true", help="skip peak-memory runs")
     parser.add_argument("--max-dense-gb", type=float, default=6.0, help="skip bigger dense routes")
-    parser.add_argument("--quick", action="store_true", help="n = 512, 1024; 2 rounds")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: n = 512, 1024; 2 rounds; no peak-memory runs (a fresh process each); "
+        "never writes docs/benchmarks.md",
+    )
     parser.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks.md")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per subprocess")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.quick:  # its table is no measurement to keep: it never replaces the recorded one
+        args.sizes, args.repeats, args.no_memory, args.no_write = QUICK_SIZES, 2, True, True
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
-    if args.quick:
-        args.sizes, args.repeats = [512, 1024], 2
     if not Path("/proc/self/clear_refs").exists():
         print("peak memory needs Linux /proc; measuring time only", file=sys.stderr)
         args.no_memory = True

@@ -24,6 +24,14 @@ def test_flops() -> None:
     assert bench.flops("linear", 1, 4096, "fwd") is None
 
 
+def test_quick_is_a_short_smoke_run_that_writes_nothing() -> None:
+    args = bench.parse_args(["--quick"])
+    assert args.sizes == [512, 1024] and args.repeats == 2
+    assert args.no_memory and args.no_write  # no fresh process per cell, no docs rewritten
+    full = bench.parse_args([])
+    assert max(full.sizes) == 16384 and not full.no_memory and not full.no_write
+
+
 def test_targets_met_and_missed() -> None:
     rows = [
         _row("torch", 8192, 1.0, 3.0, 10, 100),
