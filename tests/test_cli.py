@@ -31,6 +31,37 @@ def test_user_errors_become_one_line_and_exit_2(capsys, monkeypatch) -> None:
     assert err.strip() == "attnkit demo: error: query of shape (2, 3) is not what was expected"
 
 
+# A command that streams text slowly, run in a fresh process whose stdout is a pipe.
+_SLOW_STREAM = """
+import sys, time
+from attnkit.commands import generate
+
+class Slow:
+    def stream(self, prompt, n, **kwargs):
+        for _ in range(n):
+            time.sleep(0.01)
+            yield " token"
+
+generate.load_model = lambda path: Slow()
+from attnkit.cli import main
+sys.exit(main(["generate", "Hello", "--max-new-tokens", "500"]))
+"""
+
+
+def test_a_closed_pipe_ends_the_command_quietly() -> None:
+    """``attnkit generate ... | head -c 1``: the reader leaves after one byte; the command stops
+    with 141 (128 + SIGPIPE, as a Unix tool does), no traceback and no message."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_STREAM], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(1) == b"H"
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == cli.CLOSED_PIPE == 141
+    assert err == ""
+
+
 def _subcommands(parser) -> list:
     """Every (sub)command parser below ``parser``: ``train``, ``kernels build``, ..."""
     import argparse

@@ -67,6 +67,7 @@ def test_the_default_folder_is_attnkit_demo_in_the_working_directory(
         (["--out-dir", "{tmp}/missing/tour"], "does not exist"),
         (["--n", "8"], "expected a whole number >= 16"),
         (["--n", "many"], "expected a whole number"),
+        (["--n", "1000000000"], "n = 1,000,000,000: torch's dense route, whose (1, 8, n, n)"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(

@@ -90,6 +90,13 @@ def test_foreign_and_truncated_files_are_one_line_and_exit_2(tiny_gguf, tmp_path
     assert "'qwen2' model" in _one_line(capsys)
 
 
+def test_a_token_budget_whose_cache_cannot_fit_is_one_line_and_exit_2(tiny_gguf, capsys):
+    args = ["generate", "Once", "--max-new-tokens", str(10**12), "--model", str(tiny_gguf)]
+    assert main(args) == 2
+    line = _one_line(capsys)
+    assert "max_new_tokens=1,000,000,000,000: the KV cache for 1 x 1,000,000,000,0" in line
+
+
 def test_show_attention_writes_the_generation_view(tiny_gguf, tmp_path, capsys) -> None:
     out = tmp_path / "gen.html"
     args = ["generate", "Once", "--max-new-tokens", "5", "--model", str(tiny_gguf)]

@@ -160,6 +160,13 @@ def test_chat_renders_the_template(tiny) -> None:
         (lambda m: m.generate(["ok", ""], 5), ValueError, "prompt 1 is empty"),
         (lambda m: m.generate("hi", -1), ValueError, "max_new_tokens"),
         (lambda m: m.generate("hi", 2.5), ValueError, "max_new_tokens"),
+        (
+            lambda m: m.generate("hi", 10**12),
+            ValueError,
+            r"max_new_tokens=1,000,000,000,000: "
+            r"the KV cache for 1 x 1,000,000,000,00\d positions \(2 layers.* more than the",
+        ),
+        (lambda m: m.generate(["a", "bc"], 10**12), ValueError, r"cache for 2 x 1,000,000,000,00"),
         (lambda m: m.generate("hi", 5, temperature=-1), ValueError, "temperature"),
         (lambda m: m.generate("hi", 5, seed="x"), ValueError, "seed"),
         (lambda m: m.generate("hi", 5, stop=""), ValueError, "stop"),

@@ -67,3 +67,12 @@ def test_peak_memory_sees_an_allocation_even_after_it_is_freed() -> None:
 def test_bad_sizes_are_refused(fn, kwargs) -> None:
     with pytest.raises(ValueError, match="must be an int"):
         fn(**kwargs)
+
+
+def test_a_length_whose_dense_bias_cannot_fit_is_refused_before_any_allocation() -> None:
+    """n = 10**9 would need a (1, 8, n, n) float32 bias of 2.9e19 bytes (and a 2 TB input): it
+    is refused by its size, at once, with the number in the message."""
+    words = r"n = 1,000,000,000: torch's dense route, whose \(1, 8, n, n\) ALiBi bias needs "
+    with pytest.raises(ValueError, match=words + r"29,802,322,387\.7 GiB, more than"):
+        tour.compare_routes(10**9)
+    tour.check_length(1024)  # 32 MiB: fits any machine

@@ -9,12 +9,18 @@ Errors the user can fix (bad arguments, missing files, bad shapes) are ``ValueEr
 exit with code 2, never a traceback. So is a missing optional package (``ImportError``): the
 line names the extra that installs it (``pip install 'attnkit[bert]'``, see
 ``attnkit.commands.extras``), and each command checks its packages before doing any work.
+
+When the reader of stdout goes away (``attnkit generate ... | head -c 1``), the command stops
+quietly with exit code 141, as a Unix tool killed by SIGPIPE does (128 + 13): no traceback, and
+no "Exception ignored" message from the interpreter's last flush.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -71,9 +77,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CLOSED_PIPE = 128 + 13  # the exit status of a process killed by SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return code
+    except BrokenPipeError:
+        # Later writes (the interpreter flushes stdout on exit) go nowhere instead of failing.
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return CLOSED_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit:  # --help and --version have printed: flush while a closed pipe is caught
+        sys.stdout.flush()
+        raise
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)
         return 2

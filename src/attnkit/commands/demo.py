@@ -70,6 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     out_dir = check_out_dir(args.out_dir)  # before any work: a bad folder leaves nothing behind
     n = args.n or (QUICK_N if args.quick else LONG_N)
+    from attnkit.tasks.tour import check_length
+
+    check_length(n)  # an --n whose dense bias cannot fit is refused before step 1 prints
     step_worked_example()
     step_routes(n)
     step_kv_cache()

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnkit._memory import check_fits
 from attnkit._numerics import compute_dtype
 from attnkit._progress import progress
 from attnkit.attention import KVCache, MultiHeadAttention
@@ -333,6 +334,8 @@ class PretrainedLlama:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         prompts = self.prompt_ids(prompt)
+        if max_new_tokens:
+            self._check_cache_fits(len(prompts), max(map(len, prompts)), max_new_tokens)
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.model.embed.weight.device).manual_seed(seed)
@@ -346,6 +349,21 @@ class PretrainedLlama:
             eos_id=self.eos_id,
             pad_id=pad,
             generator=generator,
+        )
+
+    def _check_cache_fits(self, b: int, n: int, max_new_tokens: int) -> None:
+        """The KV caches decoding preallocates (every layer's keys and values for ``b`` rows of
+        ``n`` prompt and ``max_new_tokens`` new positions) must fit the device's memory: a huge
+        ``max_new_tokens`` is refused here, not by the allocator inside the first step."""
+        c, weight = self.config, self.model.embed.weight
+        per_position = 2 * c.num_layers * c.num_kv_heads * c.head_dim * weight.element_size()
+        positions = n + max_new_tokens
+        check_fits(
+            b * positions * per_position,
+            f"max_new_tokens={max_new_tokens:,}: the KV cache for {b} x {positions:,} positions "
+            f"({c.num_layers} layers, keys and values of {c.num_kv_heads} x {c.head_dim} in "
+            f"{weight.dtype})",
+            weight.device,
         )
 
     def stream(

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from attnkit._memory import check_fits
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.positional import RotaryEmbedding, alibi_bias, alibi_fn
 from attnkit.registry import use
@@ -37,6 +38,7 @@ from attnkit.registry import use
 __all__ = [
     "Route",
     "RouteComparison",
+    "check_length",
     "compare_routes",
     "kv_cache_gap",
     "paired_ratios",
@@ -81,10 +83,19 @@ def paired_ratios(dense: list[float], tiled: list[float]) -> tuple[float, ...]:
     return tuple(t / d for d, t in zip(dense, tiled, strict=True))
 
 
-def compare_routes(n: int = 4096, *, rounds: int = 5, seed: int = 0) -> RouteComparison:
-    """Time and peak memory of the dense and the tiled route for one layer over ``n`` tokens."""
+def check_length(n: int) -> None:
+    """Refuse an ``n`` the dense route cannot run: an int >= 16 whose ``(1, h, n, n)`` float32
+    bias fits the machine's memory (the bias alone; the route needs a little more)."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 16:
         raise ValueError(f"n must be an int >= 16, got {n!r}")
+    check_fits(
+        HEADS * n * n * 4, f"n = {n:,}: torch's dense route, whose (1, {HEADS}, n, n) ALiBi bias"
+    )
+
+
+def compare_routes(n: int = 4096, *, rounds: int = 5, seed: int = 0) -> RouteComparison:
+    """Time and peak memory of the dense and the tiled route for one layer over ``n`` tokens."""
+    check_length(n)
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
