@@ -336,6 +336,18 @@ def test_no_attribute_type_ignores() -> None:
     assert not bad, "`# type: ignore[attr-defined]` in src/:\n" + "\n".join(bad)
 
 
+def test_no_structure_is_read_out_of_closures() -> None:
+    """Structure is data (``masks.exact_structure``): no module recognises a function by its
+    code object or reads numbers out of its closure."""
+    pattern = re.compile(r"getclosurevars|__code__|__closure__|co_freevars|cell_contents")
+    bad = []
+    for path in _source_files():
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if pattern.search(line):
+                bad.append(f"{path.relative_to(ROOT).as_posix()}:{n}: {line.strip()}")
+    assert not bad, "closure decoding in src/:\n" + "\n".join(bad)
+
+
 # --- wording ---------------------------------------------------------------------------------
 
 # Words about how the project was made, not about what it does.

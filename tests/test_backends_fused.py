@@ -275,8 +275,9 @@ def test_error_is_at_most_twice_torchs_own_kernel(dtype, n: int, case: str) -> N
 
 
 def test_masks_are_read_as_exact_structure() -> None:
-    """attnkit's own mask functions become bands and layouts (from their closures); a function
-    that only declares a band is not taken for one."""
+    """attnkit's own mask functions are callable data whose numbers are read as bands and
+    layouts; a function that only declares a band is not taken for one, nor is an exact mask
+    re-declared with other numbers; and each exact mask equals its structure everywhere."""
     nl = plan.NO_LIMIT
     assert plan.exact_parts(masks.causal_fn(3)) == [("band", (-nl, 3))]
     assert plan.exact_parts(masks.window_fn(5, 2, 1)) == [("band", (-4, 3))]
@@ -289,6 +290,13 @@ def test_masks_are_read_as_exact_structure() -> None:
     assert plan.exact_parts(promise) is None
     assert plan.exact_parts(masks.all_of(masks.causal_fn(0), promise)) is None
     assert plan.exact_parts(lambda b, h, i, j: i >= j) is None
+    assert plan.exact_parts(masks.declare(masks.causal_fn(0), band=masks.Band(3, 0))) is None
+    n = 40
+    grid = masks.materialize(lambda b, h, i, j: (j - i) + 0 * b * h, (1, 1, n, n))
+    for fn in (masks.causal_fn(3), masks.window_fn(5, 2, 1), both):
+        lo = max(p[1][0] for p in plan.exact_parts(fn))
+        hi = min(p[1][1] for p in plan.exact_parts(fn))
+        assert torch.equal(masks.materialize(fn, (1, 1, n, n)), (grid >= lo) & (grid <= hi))
 
 
 def test_why_not_says_why_in_a_sentence(monkeypatch) -> None:

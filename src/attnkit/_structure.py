@@ -24,6 +24,8 @@ __all__ = [
     "all_of",
     "block_ranges",
     "declare",
+    "exact_structure",
+    "exactly",
     "relative",
     "structure_of",
 ]
@@ -231,10 +233,18 @@ def block_ranges(columns: Iterable[int], block: int, j0: int, j1: int) -> list[t
 
 @dataclass(frozen=True, eq=False)
 class StructuredFn:
-    """A mask or bias function with its declared ``Structure``; called like the function."""
+    """A mask or bias function with its declared ``Structure``; called like the function.
+
+    ``exact``: the function *is* its structure, True exactly where the declared band and
+    block layout allow (``causal_fn``, ``window_fn``, ``block_sparse`` and their ``all_of``),
+    so a kernel may read the numbers of the structure instead of evaluating the function. A
+    declaration made with ``declare`` is only a promise about where the function is False
+    (``exact=False``) and is evaluated where the structure leaves tiles partly visible.
+    """
 
     fn: IndexFn
     structure: Structure
+    exact: bool = False
 
     def __call__(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
         return self.fn(b, h, i, j)
@@ -262,6 +272,19 @@ def declare(
     return StructuredFn(inner, replace(base, **fields))  # type: ignore[arg-type]
 
 
+def exactly(fn: IndexFn, structure: Structure) -> StructuredFn:
+    """``fn`` declared as exactly ``structure`` (see ``StructuredFn.exact``): for attnkit's
+    own band and layout masks, whose results equal their structure everywhere."""
+    if structure.tile is not None or structure.ranges is not None or structure.relative:
+        raise ValueError("only bands, block layouts and their AND can be exact structure")
+    return StructuredFn(fn, structure, exact=True)
+
+
+def exact_structure(fn: object) -> Structure | None:
+    """The structure ``fn`` is exactly (``StructuredFn.exact``), or None."""
+    return fn.structure if isinstance(fn, StructuredFn) and fn.exact else None
+
+
 def relative(fn: IndexFn) -> StructuredFn:
     """Declare that the bias function ``fn(b, h, i, j)`` depends only on ``h`` and ``j - i``."""
     return declare(fn, relative=True)
@@ -286,4 +309,7 @@ def all_of(*fns: IndexFn | None) -> IndexFn | None:
             result = result & f(b, h, i, j)
         return result
 
-    return declare(mask, Structure(parts=tuple(structure_of(f) for f in parts)))
+    structure = Structure(parts=tuple(structure_of(f) for f in parts))
+    if all(exact_structure(f) is not None for f in parts):
+        return exactly(mask, structure)
+    return declare(mask, structure)

@@ -45,6 +45,8 @@ from attnkit._structure import (
     StructuredFn,
     all_of,
     declare,
+    exact_structure,
+    exactly,
     relative,
     structure_of,
 )
@@ -73,6 +75,7 @@ __all__ = [
     "checked_mask",
     "combine_masks",
     "declare",
+    "exact_structure",
     "from_torch",
     "materialize",
     "pad_to_rank",
@@ -291,7 +294,7 @@ def causal_fn(offset: int = 0) -> StructuredFn:
     def causal(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
         return j <= i + offset
 
-    return declare(causal, band=Band(None, 0, offset))
+    return exactly(causal, Structure(band=Band(None, 0, offset)))
 
 
 def window_fn(left: int, right: int = 0, offset: int = 0) -> StructuredFn:
@@ -301,7 +304,7 @@ def window_fn(left: int, right: int = 0, offset: int = 0) -> StructuredFn:
         distance = (i + offset) - j
         return (distance <= left) & (distance >= -right)
 
-    return declare(window, band=Band(left, right, offset))
+    return exactly(window, Structure(band=Band(left, right, offset)))
 
 
 def checked_mask(values: object) -> Tensor:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from attnkit.backends.fused import jit
+from attnkit.registry import forget_rankings
 
 __all__ = [
     "FORMAT",
@@ -149,10 +150,8 @@ def reference() -> dict[str, Table]:
 
 def forget() -> None:
     """Drop the tables read so far and auto's rankings (measurements changed)."""
-    from attnkit import registry
-
     _TABLES.clear()
-    registry.forget_rankings()
+    forget_rankings()
 
 
 def _read(row: str, threads: int) -> Table | None:

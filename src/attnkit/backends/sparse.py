@@ -35,7 +35,7 @@ from torch import Tensor
 from attnkit._numerics import attention_op, blocked, compute_dtype
 from attnkit.backends.tiled import run_call
 from attnkit.backends.tiled import why_not as tiled_why_not
-from attnkit.masks import MaskFn, causal_offset, declare, pad_to_rank, structure_of
+from attnkit.masks import MaskFn, Structure, causal_offset, exactly, pad_to_rank, structure_of
 from attnkit.registry import AttentionCall, register_backend
 
 __all__ = [
@@ -89,7 +89,7 @@ def block_sparse(layout: Tensor, block: int) -> MaskFn:
         J = (j // block).clamp(0, nkb)
         return padded.to(i.device)[I, J]
 
-    return declare(mask, layout=layout.cpu(), block=block)
+    return exactly(mask, Structure(layout=layout.cpu(), block=block))
 
 
 def why_not(call: AttentionCall) -> str | None:

@@ -12,8 +12,10 @@ False, but the function itself):
 * dense tensors: a bool mask and a float bias broadcastable to ``(b, h, i, j)``, read through
   their strides (a broadcast axis costs no copy).
 
-These are recognised from the functions' own code (their closures hold the numbers), so a band
-is never taken from a declaration that only promises where a function is False. Any other mask
+These are read from the structure a mask function *is* (``masks.exact_structure``: attnkit's
+``causal_fn``, ``window_fn``, ``block_sparse`` and their ``all_of`` are callable data whose
+numbers can be read), so a band is never taken from a declaration that only promises where a
+function is False. Any other mask
 or bias function is evaluated once on the whole ``(b, h, i, j)`` grid (``materialize``) and
 read as a dense tensor, when that fits in ``MATERIALIZE_BYTES``; ``why_not`` refuses it
 otherwise.
@@ -21,7 +23,6 @@ otherwise.
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -29,18 +30,15 @@ import torch
 from torch import Tensor
 
 from attnkit._numerics import compute_dtype
-from attnkit.backends.sparse import block_sparse
 from attnkit.backends.tiled.relative import Relative
 from attnkit.masks import (
-    StructuredFn,
-    all_of,
-    causal_fn,
+    Structure,
     causal_offset,
     checked_bias,
     checked_mask,
+    exact_structure,
     materialize,
     structure_of,
-    window_fn,
 )
 
 __all__ = [
@@ -55,18 +53,6 @@ __all__ = [
 
 MATERIALIZE_BYTES = 1 << 28  # 256 MiB: the largest mask or bias a function may be evaluated into
 NO_LIMIT = (2**63 - 1) // 4  # fused.h NO_LIMIT: an open side of the band
-
-
-def _code(fn: object) -> object:
-    """The code object of a structured function's inner function (None for anything else)."""
-    return getattr(getattr(fn, "fn", None), "__code__", None)
-
-
-# The code of attnkit's own mask functions: a function with this code is exactly its closure.
-_CAUSAL = _code(causal_fn(0))
-_WINDOW = _code(window_fn(0))
-_ALL_OF = _code(all_of(causal_fn(0), causal_fn(0)))
-_BLOCK = _code(block_sparse(torch.ones(1, 1, dtype=torch.bool), 1))
 
 
 @dataclass(frozen=True)
@@ -100,33 +86,24 @@ class Plan:
         return ", ".join(parts) or "no structure"
 
 
-def _closure(fn) -> dict:
-    return inspect.getclosurevars(fn).nonlocals
-
-
 def exact_parts(fn) -> list[tuple[str, tuple]] | None:
-    """The mask function as exact pieces: ``("band", (lo, hi))`` and ``("layout", (layout,
-    block))``, or None when some part is a function the kernel cannot evaluate itself."""
-    if not isinstance(fn, StructuredFn):
-        return None
-    code = _code(fn)
-    if code is _CAUSAL:  # visible when j <= i + offset
-        return [("band", (-NO_LIMIT, _closure(fn.fn)["offset"]))]
-    if code is _WINDOW:  # visible when -right <= i + offset - j <= left
-        c = _closure(fn.fn)
-        return [("band", (c["offset"] - c["left"], c["offset"] + c["right"]))]
-    if code is _BLOCK:
-        c = _closure(fn.fn)
-        return [("layout", (c["padded"][: c["nqb"], : c["nkb"]].contiguous().cpu(), c["block"]))]
-    if code is _ALL_OF:
-        pieces: list[tuple[str, tuple]] = []
-        for part in _closure(fn.fn)["parts"]:
-            more = exact_parts(part)
-            if more is None:
-                return None
-            pieces.extend(more)
-        return pieces
-    return None
+    """The mask function as exact pieces: ``("band", (lo, hi))`` on offsets ``j - i`` and
+    ``("layout", (layout, block))``, read from the structure it is exactly
+    (``masks.exact_structure``), or None when it is not such a function."""
+    structure = exact_structure(fn)
+    return None if structure is None else _pieces(structure)
+
+
+def _pieces(s: Structure) -> list[tuple[str, tuple]]:
+    pieces = [piece for part in s.parts for piece in _pieces(part)]
+    if s.band is not None:  # visible when -right <= (i + offset) - j <= left
+        band = s.band
+        lo = -NO_LIMIT if band.left is None else band.offset - band.left
+        hi = NO_LIMIT if band.right is None else band.offset + band.right
+        pieces.append(("band", (lo, hi)))
+    if s.layout is not None:
+        pieces.append(("layout", (s.layout.contiguous().cpu(), s.block)))
+    return pieces
 
 
 def _split(fn) -> tuple[list[tuple[str, tuple]], object | None]:
