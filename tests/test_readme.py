@@ -36,3 +36,16 @@ def test_the_licence_is_declared_once_and_shipped() -> None:
     assert not any(c.startswith("License ::") for c in project["classifiers"])  # SPDX says it
     # The tests need the whole checkout, so the sdist leaves them out (MANIFEST.in).
     assert "prune tests" in (root / "MANIFEST.in").read_text().splitlines()
+
+
+def test_links_work_on_a_package_index() -> None:
+    """The README is the project's page on a package index, where a link relative to the
+    repository leads nowhere; the project's URLs are absolute too, or absent."""
+    import tomllib
+
+    text = README.read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert [link for link in links if not re.match(r"https?://", link)] == []
+    project = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
+    for name, url in project.get("urls", {}).items():
+        assert re.match(r"https?://", url), f"[project.urls] {name} = {url!r} is relative"
