@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 
 from attnkit.cli import main
+from attnkit.registry import use
+from attnkit.train.checkpoint import has_trained
 from attnkit.train.manifest import commit, open_checkpoint
+from killing import KILLED, run_killed_at
 from train_runs import TINY, copy_run
 from train_runs import run_dir as run_dir
 
@@ -53,18 +58,95 @@ def test_resume_of_a_finished_run_changes_nothing(run_dir, tmp_path):
         main(["train", "nonsense"])
 
 
-def test_resume_without_a_trainer_state_is_one_line_exit_2(run_dir, tmp_path, capsys):
+# The runs below are compared bit for bit, so they pin one backend: auto may choose another
+# as it learns the machine, and another backend rounds differently.
+
+
+def _train(*argv: str) -> int:
+    with use("math"):
+        return main(["train", "iris", "--seed", "1", *argv, *TINY])
+
+
+def _weights(run: Path) -> bytes:
+    return open_checkpoint(run).read_bytes("model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    assert _train("--out", str(out)) == 0
+    return out
+
+
+def test_resume_with_nothing_saved_points_at_a_plain_run_which_works(
+    uninterrupted, tmp_path, capsys
+):
     empty = tmp_path / "empty"
     empty.mkdir()  # a folder, but no run in it (a missing folder: the bad-input test below)
-    assert main(["train", "iris", "--seed", "1", "--out", str(empty), "--resume", *TINY]) == 2
+    assert _train("--out", str(empty), "--resume") == 2
     err = capsys.readouterr().err.strip()
-    assert "holds no checkpoint" in err and len(err.splitlines()) == 1
-    started = copy_run(run_dir, tmp_path)  # as if killed before its first epoch was saved
-    config = open_checkpoint(started).read_bytes("config.json")
-    commit(started, {"config.json": config}, carry_over=False)
-    assert main(["train", "iris", "--seed", "1", "--out", str(started), "--resume", *TINY]) == 2
+    assert len(err.splitlines()) == 1
+    assert "holds no checkpoint yet, so nothing to continue: run without --resume" in err
+    assert _train("--out", str(empty)) == 0
+    assert _weights(empty) == _weights(uninterrupted)
+
+
+def test_a_run_stopped_before_its_first_epoch_resumes_from_the_start_or_is_replaced(
+    uninterrupted, tmp_path, capsys
+):
+    """Its checkpoint holds only config.json: --resume trains it from the first epoch, and a
+    plain run replaces it without --overwrite; both give the uninterrupted run's weights."""
+    config = open_checkpoint(uninterrupted).read_bytes("config.json")
+    started = tmp_path / "started"  # as a run killed before its first epoch was saved leaves it
+    commit(started, {"config.json": config})
+    again = tmp_path / "again"
+    shutil.copytree(started, again, symlinks=True)
+    capsys.readouterr()
+    assert _train("--out", str(started), "--resume") == 0
+    assert "training it from the first epoch" in capsys.readouterr().out
+    assert _weights(started) == _weights(uninterrupted)
+    assert _train("--out", str(again)) == 0
+    assert _weights(again) == _weights(uninterrupted)
+    # Other settings for a run that saved no epoch: --resume refuses and says a plain run
+    # replaces it, which it does.
+    commit(again, {"config.json": config}, carry_over=False)
+    assert _train("--out", str(again), "--lr", "0.01", "--resume") == 2
     err = capsys.readouterr().err.strip()
-    assert "has no trainer_state.json (--resume needs it" in err and len(err.splitlines()) == 1
+    assert "different settings" in err and "without --resume, this run replaces it" in err
+    assert _train("--out", str(again), "--lr", "0.01") == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="kills a forked run")
+def test_a_run_killed_before_its_first_epoch_is_saved_is_never_stuck(
+    uninterrupted, tmp_path, capsys
+):
+    """Killed at write steps 1, 2, 3, 5, 8, ... (a Fibonacci walk) until its first epoch is
+    saved: in every state it leaves (no folder, an empty one, a checkpoint written half, one
+    holding only its settings), a plain run works without --overwrite and --resume either
+    trains from the first epoch or says to run without --resume; both give the uninterrupted
+    run's weights."""
+    seen, step, following = set(), 1, 2
+    while True:
+        out = tmp_path / f"killed-{step}"
+        assert run_killed_at(step, lambda out=out: _train("--out", str(out))) == KILLED
+        if out.is_dir() and has_trained(out):
+            break
+        state = None if not out.is_dir() else tuple(sorted(p.name for p in out.iterdir()))
+        if state not in seen:
+            seen.add(state)
+            resumed = tmp_path / f"resumed-{step}"
+            if out.is_dir():
+                shutil.copytree(out, resumed, symlinks=True)
+            capsys.readouterr()
+            code = _train("--out", str(resumed), "--resume")
+            err = capsys.readouterr().err
+            assert code == 0 or "run without --resume" in err, (step, state, err)
+            assert _train("--out", str(out)) == 0, (step, state, capsys.readouterr().err)
+            assert _weights(out) == _weights(uninterrupted)
+            if code == 0:
+                assert _weights(resumed) == _weights(uninterrupted)
+        step, following = following, step + following
+    assert len(seen) >= 3, seen  # no folder, a folder without a checkpoint, settings only
 
 
 # ---------------------------------------------------------------- bad input: before any work

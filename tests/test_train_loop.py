@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from attnkit.models.classifiers import TabularAttentionClassifier, TabularConfig
+from attnkit.registry import use
 from attnkit.train import FitOptions, TrainConfig, evaluate, fit, lr_at
 from attnkit.train import loop as loop_module
 from attnkit.train.checkpoint import json_bytes, json_from_bytes
@@ -114,6 +115,26 @@ def test_resume_equals_uninterrupted(iris, tmp_path):
     # A different configuration cannot continue this run.
     with pytest.raises(ValueError, match="different training configuration"):
         fit(_model(5), train, val, TrainConfig(epochs=7, patience=0, seed=7), resume)
+
+
+def test_a_checkpoint_of_settings_only_resumes_from_the_first_epoch(iris, tmp_path):
+    """A run stopped before its first epoch was saved holds only its settings: resuming it
+    trains from the first epoch, which is the uninterrupted run exactly (same seeds, same
+    starting weights, one backend pinned so both runs round alike)."""
+    train, val, _ = iris
+    config = TrainConfig(epochs=3, lr=3e-3, patience=0, seed=7)
+    with use("math"):
+        full = _model(5)
+        full_result = fit(full, train, val, config, QUIET)
+        commit(tmp_path / "started", {"config.json": b"{}"})
+        torch.manual_seed(1234)  # the resumed process starts from an unrelated RNG state
+        resumed = _model(5)
+        options = FitOptions(tmp_path / "started", resume=True, progress=False)
+        result = fit(resumed, train, val, config, options)
+    assert result.epochs_run == 3 and result.history == full_result.history
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert "trainer_state.json" in open_checkpoint(tmp_path / "started")
 
 
 def test_sampler_and_writer_seams(iris, tmp_path):
@@ -225,9 +246,9 @@ def test_resume_names_what_is_missing_or_damaged(iris, tmp_path):
 
     with pytest.raises(FileNotFoundError, match="holds no checkpoint"):  # never a silent restart
         resume(tmp_path / "empty")
-    commit(tmp_path / "started", {"config.json": b"{}"})  # killed before its first epoch ended
-    with pytest.raises(ValueError, match=r"has no trainer_state\.json \(--resume needs it"):
-        resume(tmp_path / "started")
+    commit(tmp_path / "half", {"config.json": b"{}", "trainer_state.json": b"{}"})
+    with pytest.raises(ValueError, match=r"has no trainer_state\.safetensors \(--resume needs"):
+        resume(tmp_path / "half")
     run = tmp_path / "run"
     fit(_model(), train, val, config, FitOptions(run, progress=False, stop_after=1))
     ckpt = open_checkpoint(run)

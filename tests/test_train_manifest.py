@@ -20,6 +20,7 @@ from attnkit.train.manifest import (
     MANIFEST,
     commit,
     find_checkpoint,
+    foreign_entries,
     open_checkpoint,
 )
 from killing import KILLED, run_killed_at
@@ -117,6 +118,20 @@ def test_a_missing_file_or_entry_names_what_is_missing(tmp_path: Path) -> None:
     os.unlink(ckpt.directory / "model.safetensors")
     with pytest.raises(ValueError, match=r"model\.safetensors' is missing \(its manifest lists"):
         ckpt.read_bytes("model.safetensors")
+
+
+def test_foreign_entries_are_what_the_checkpoint_layout_does_not_explain(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert foreign_entries(run) == []  # missing: nothing foreign
+    commit(run, {"config.json": b"{}", "model.safetensors": b"w"})
+    (run / "checkpoint-000009").mkdir()  # a generation a killed writer left without a manifest
+    (run / ".config.json.3f2a.tmp").write_bytes(b"")  # an unfinished atomic write
+    (run / ".model.safetensors.link.tmp").symlink_to("checkpoint/model.safetensors")
+    assert foreign_entries(run) == []
+    (run / "notes.txt").write_text("mine")
+    (run / "elsewhere").symlink_to("/tmp")  # a link, but not through the checkpoint
+    (run / "checkpoint-12").mkdir()  # too few digits for a generation
+    assert foreign_entries(run) == ["checkpoint-12", "elsewhere", "notes.txt"]
 
 
 def test_no_checkpoint_and_the_older_layout_are_named(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
 """``attnkit train iris|text``: the worked examples that learn (see ``attnkit.tasks``).
 
 Every option is checked before any work (argparse types, then ``check``): a bad number, an
-option the task does not use, an ``--out`` that is a file, a second run into an existing one
-without ``--overwrite`` or a ``--resume`` with nothing to resume are one line and exit 2, and
-nothing is created.
+option the task does not use, an ``--out`` that is a file, a second run into one that has
+trained without ``--overwrite`` or a ``--resume`` with nothing to resume are one line and exit 2,
+and nothing is created. A run stopped before its first epoch was saved (Ctrl-C, a kill) has
+nothing trained to lose: a plain run replaces it, and ``--resume`` trains it from the first
+epoch, which gives exactly the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -162,19 +164,59 @@ def check(args: argparse.Namespace) -> Path:
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {str(out)!r} is a file; give a directory for the run")
     if args.resume:
-        if not out.is_dir():
-            raise FileNotFoundError(f"--resume: there is no run at {str(out)!r} to continue")
-    elif out.is_dir() and any(out.iterdir()) and not args.overwrite:
-        raise FileExistsError(
-            f"{str(out)!r} already holds a run: --resume to continue it, --overwrite to replace "
-            "it, or another --out"
-        )
+        check_resumable(out)
+    elif out.is_dir() and not args.overwrite:
+        check_replaceable(out)
     parent = next((p for p in [out, *out.parents] if p.exists()), Path("."))
     if not parent.is_dir():
         raise FileExistsError(f"--out {str(out)!r}: {str(parent)!r} is a file, not a directory")
     if not os.access(parent, os.W_OK):
         raise PermissionError(f"--out {str(out)!r}: {str(parent)!r} is not writable")
     return out
+
+
+# A run stopped before its first epoch was saved holds no trained state (``has_trained``): a
+# plain run replaces it, --resume trains it from the first epoch. The messages below never send
+# the user to an option that would refuse the same folder.
+
+
+def check_resumable(out: Path) -> None:
+    """--resume needs a checkpoint (its settings at least) in ``out``."""
+    from attnkit.train.manifest import find_checkpoint, foreign_entries
+
+    if not out.is_dir():
+        raise FileNotFoundError(
+            f"--resume: there is no run at {str(out)!r} to continue: run without --resume to "
+            "start it"
+        )
+    if find_checkpoint(out) is None and not foreign_entries(out):
+        raise FileNotFoundError(
+            f"--resume: {str(out)!r} holds no checkpoint yet, so nothing to continue: run "
+            "without --resume to start the run there"
+        )
+
+
+def check_replaceable(out: Path) -> None:
+    """A run without --overwrite may take ``out`` when nothing trained is lost: its checkpoint
+    holds no trained state (the results of an earlier run beside it were already given up by
+    the --overwrite that started it), or it has no checkpoint and nothing but leftovers of one
+    (an empty folder, a generation a killed writer left without its manifest)."""
+    from attnkit.train.checkpoint import has_trained
+    from attnkit.train.manifest import find_checkpoint, foreign_entries
+
+    if has_trained(out):
+        raise FileExistsError(
+            f"{str(out)!r} already holds a run: --resume to continue it, --overwrite to replace "
+            "it, or another --out"
+        )
+    if find_checkpoint(out) is not None:
+        return
+    foreign = foreign_entries(out)
+    if foreign:
+        raise FileExistsError(
+            f"{str(out)!r} holds files that are not a run ({', '.join(foreign[:3])}): "
+            "--overwrite to write the run there anyway, or another --out"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -204,6 +246,10 @@ def _run(args: argparse.Namespace, env: DistEnv, say: Callable[..., None]) -> in
 
     ddp.barrier(env)  # the directory exists for every rank, so all ranks check alike
     check_writable(out / "metrics.json")  # fail now, not after training
+    from attnkit.train.checkpoint import has_trained
+
+    if args.resume and not has_trained(out):
+        say(f"no epoch of the run in {out} was saved yet: training it from the first epoch")
 
     import torch
 

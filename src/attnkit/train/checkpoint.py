@@ -41,6 +41,8 @@ __all__ = [
     "MODEL_FILE",
     "STATE_JSON",
     "STATE_TENSORS",
+    "TRAINED_FILES",
+    "has_trained",
     "json_bytes",
     "json_from_bytes",
     "load_json",
@@ -215,6 +217,20 @@ def load_model_weights(model: nn.Module, source: str | Path | Checkpoint) -> nn.
     return model
 
 
+TRAINED_FILES = (STATE_JSON, STATE_TENSORS, MODEL_FILE)
+
+
+def has_trained(run_dir: str | Path) -> bool:
+    """Whether ``run_dir``'s checkpoint holds anything trained (a trainer state or weights).
+
+    A run stopped before its first epoch was saved has none: its checkpoint holds only its
+    settings, or it has no checkpoint yet. Resuming it is training from the first epoch, which
+    gives exactly the uninterrupted run (every random draw is seeded from the settings).
+    """
+    ckpt = find_checkpoint(run_dir)
+    return ckpt is not None and any(name in ckpt for name in TRAINED_FILES)
+
+
 def start_run(
     out: Path | None,
     run_config: dict[str, Any],
@@ -235,7 +251,14 @@ def start_run(
     if resume:
         ckpt = open_checkpoint(out)  # names what is missing: the directory, or its checkpoint
         if read_config(out) != run_config:
-            raise ValueError(f"{out}: --resume with different settings than the saved run")
+            untrained = (
+                ""
+                if has_trained(out)
+                else " (no epoch of it was saved: without --resume, this run replaces it)"
+            )
+            raise ValueError(
+                f"{out}: --resume with different settings than the saved run{untrained}"
+            )
         for name, data in files.items():
             ckpt.require(name, "--resume")
             if ckpt.read_bytes(name) != data:

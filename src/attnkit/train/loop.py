@@ -47,6 +47,7 @@ from attnkit.train.checkpoint import (
     MODEL_FILE,
     STATE_JSON,
     STATE_TENSORS,
+    has_trained,
     json_bytes,
     json_from_bytes,
     require_keys,
@@ -246,11 +247,15 @@ _STATE_KEYS: dict[str, type | tuple[type, ...]] = {
 
 def _load_state(
     out: Path, model: nn.Module, opt: torch.optim.Optimizer, config: TrainConfig
-) -> tuple[dict, dict[str, Tensor] | None]:
+) -> tuple[dict, dict[str, Tensor] | None] | None:
     """The saved state (checked against ``config`` before anything is loaded), loaded into
     ``model``, ``opt`` and the global RNG; returns it with the best weights (``None``: none yet).
+    ``None`` when the checkpoint holds nothing trained (``has_trained``): the run starts from
+    the first epoch, as it would have without the interruption.
     """
     ckpt = open_checkpoint(out)
+    if not has_trained(out):
+        return None
     ckpt.require(STATE_JSON, "--resume")
     ckpt.require(STATE_TENSORS, "--resume")
     json_path, tensors_path = ckpt.path(STATE_JSON), ckpt.path(STATE_TENSORS)
@@ -307,8 +312,11 @@ class FitOptions:
     Attributes:
         out_dir: checkpoint directory, written after every epoch when ``is_writer``; ``None``
             writes nothing.
-        resume: continue from ``out_dir``'s checkpoint; it must hold a trainer state (a
-            ``ValueError`` naming what is missing otherwise, never a silent fresh start).
+        resume: continue from ``out_dir``'s checkpoint. One that holds nothing trained yet
+            (only the run's settings: stopped before its first epoch was saved) starts from the
+            first epoch, which is exactly the uninterrupted run; one that holds part of a
+            trainer state is a ``ValueError`` naming what is missing, and no checkpoint at all
+            a ``FileNotFoundError`` (never a silent fresh start).
         progress: show a progress bar; ``None`` means "if stderr is a terminal".
         stop_after: stop (as if interrupted) after this many epochs in total, for tests and demos
             of ``resume``; ``None`` runs them all. The schedule still spans ``config.epochs``.
@@ -365,8 +373,9 @@ def fit(
         "config": asdict(config),
     }
     best_weights = {k: v.detach().clone() for k, v in _unwrap(model).state_dict().items()}
-    if options.resume and out is not None:
-        state, best = _load_state(out, model, opt, config)
+    loaded = _load_state(out, model, opt, config) if options.resume and out is not None else None
+    if loaded is not None:
+        state, best = loaded
         if best is not None:
             best_weights = best
 

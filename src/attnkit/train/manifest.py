@@ -57,6 +57,7 @@ __all__ = [
     "Checkpoint",
     "commit",
     "find_checkpoint",
+    "foreign_entries",
     "open_checkpoint",
 ]
 
@@ -166,6 +167,27 @@ def find_checkpoint(run_dir: str | os.PathLike[str]) -> Checkpoint | None:
         return None
     number, directory = max(complete)
     return _read_manifest(run_dir, directory, number)
+
+
+def foreign_entries(run_dir: str | os.PathLike[str]) -> list[str]:
+    """The entries of ``run_dir`` that are not part of a checkpoint's layout: not a generation
+    directory (complete or left without a manifest by a killed writer), not the ``checkpoint``
+    link or a top-level link through it, not a temporary file of an unfinished write. Empty for
+    a missing directory."""
+    run_dir = Path(run_dir)
+    foreign = []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in sorted(run_dir.iterdir()):
+            name = entry.name
+            if name.startswith(".") and name.endswith(".tmp"):
+                continue  # an unfinished atomic write (a file or a link)
+            if entry.is_symlink():
+                if name == LINK or os.readlink(entry) == f"{LINK}/{name}":
+                    continue
+            elif _GENERATION.fullmatch(name) and entry.is_dir():
+                continue
+            foreign.append(name)
+    return foreign
 
 
 def open_checkpoint(run_dir: str | os.PathLike[str]) -> Checkpoint:
