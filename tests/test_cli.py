@@ -31,6 +31,29 @@ def test_user_errors_become_one_line_and_exit_2(capsys, monkeypatch) -> None:
     assert err.strip() == "attnkit demo: error: query of shape (2, 3) is not what was expected"
 
 
+def test_a_warning_is_one_line_naming_the_command(capsys, monkeypatch) -> None:
+    import warnings
+
+    from attnkit.commands import demo
+
+    def warns(args):
+        warnings.warn("1 text(s) (index 0) are longer than max_length=512 tokens;\n  truncated",
+                      UserWarning, stacklevel=2)  # fmt: skip
+        return 0
+
+    monkeypatch.setattr(demo, "run", warns)
+    before = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # shown whatever warned here before
+        assert cli.main(["demo"]) == 0
+    err = capsys.readouterr().err
+    assert err == (
+        "attnkit demo: warning: 1 text(s) (index 0) are longer than max_length=512 tokens; "
+        "truncated\n"
+    )
+    assert warnings.showwarning is before  # put back: no lasting change to the process
+
+
 # A command that streams text slowly, run in a fresh process whose stdout is a pipe.
 _SLOW_STREAM = """
 import sys, time

@@ -9,6 +9,8 @@ Errors the user can fix (bad arguments, missing files, bad shapes) are ``ValueEr
 exit with code 2, never a traceback. So is a missing optional package (``ImportError``): the
 line names the extra that installs it (``pip install 'attnkit[bert]'``, see
 ``attnkit.commands.extras``), and each command checks its packages before doing any work.
+A warning (a text cut to the model's length, ...) is one line too, ``attnkit CMD: warning:
+...``, without the file and source line that Python's warnings show.
 
 When the reader of stdout goes away (``attnkit generate ... | head -c 1``), the command stops
 quietly with exit code 141, as a Unix tool killed by SIGPIPE does (128 + 13): no traceback, and
@@ -22,8 +24,9 @@ import contextlib
 import importlib
 import os
 import sys
+import warnings
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 # One line per subcommand module; order is the order of `attnkit --help`.
 COMMAND_MODULES = [
@@ -107,8 +110,10 @@ def _main(argv: Sequence[str] | None) -> int:
     from attnkit.commands import extras
 
     try:
-        extras.require(args)  # before any work: a missing package leaves no files behind
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():  # puts the warnings' settings back afterwards
+            warnings.showwarning = _one_line_warning(args.command)
+            extras.require(args)  # before any work: a missing package leaves no files behind
+            return int(args.func(args) or 0)
     except USER_ERRORS as exc:
         print(f"attnkit {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -121,6 +126,14 @@ def _main(argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt:
         print(f"attnkit {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line_warning(command: str) -> Any:
+    def show(message: Warning | str, *args: Any, **kwargs: Any) -> None:
+        text = " ".join(str(message).split())  # a message of several lines becomes one
+        print(f"attnkit {command}: warning: {text}", file=sys.stderr)
+
+    return show
 
 
 if __name__ == "__main__":
