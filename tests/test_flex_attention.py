@@ -206,16 +206,124 @@ def test_gradcheck_small() -> None:
     assert torch.autograd.gradcheck(fn, (q, k, v, table))
 
 
-def test_full_blocks_skip_the_mask_and_empty_blocks_are_never_visited() -> None:
-    """Causal, 4 x 4 blocks: mask_mod is called only on the diagonal (partial) blocks, in the
-    forward and the backward."""
+# Mods that mean something only per element, as torch calls them (attention-gym and others).
+
+
+def _rope_tables(b: int, h: int, i: int, j: int, requires_grad: bool = False):
+    g = torch.Generator().manual_seed(9)
+    query_rope = torch.randn(b, h, i, 4, dtype=F64, generator=g)  # (b, h, i, d_rope)
+    key_rope = torch.randn(b, 1, j, 4, dtype=F64, generator=g)  # (b, 1, j, d_rope): one head
+    return query_rope.requires_grad_(requires_grad), key_rope.requires_grad_(requires_grad)
+
+
+def mla_rope(query_rope: torch.Tensor, key_rope: torch.Tensor, num_heads: int):
+    """attention-gym's Multi-head Latent Attention score_mod (DeepSeek-V2's decoupled RoPE):
+    ``torch.dot`` of two gathered rows."""
+
+    def mla_rope_score_mod(score, b, h, q_idx, kv_idx):
+        return score + 0.5 * torch.dot(query_rope[b, h, q_idx], key_rope[b, h // num_heads, kv_idx])
+
+    return mla_rope_score_mod
+
+
+def summed_features(qf: torch.Tensor, kf: torch.Tensor):
+    def score_mod(score, b, h, q_idx, kv_idx):  # a reduction with no dim: one scalar each
+        return score + (qf[q_idx] * kf[kv_idx]).sum()
+
+    return score_mod
+
+
+IMAGES = torch.tensor([[0, 40], [10, 90], [60, Q_LEN]])  # (images, 2): the text span of each
+IMAGE_OF_KEY = torch.arange(3).repeat_interleave(KV_LEN // 3 + 1)[:KV_LEN]
+
+
+def cross_attention(b, h, q_idx, kv_idx):  # Flamingo's text-to-image mask (attention-gym)
+    interval = IMAGES[IMAGE_OF_KEY[kv_idx]]
+    return (q_idx >= interval[0]) & (q_idx < interval[1])
+
+
+def any_shared(b, h, q_idx, kv_idx):  # .any() over a gathered row, and the diagonal
+    tags = DOCS[1, :KV_LEN].view(-1, 1) == torch.arange(3)  # (j, 3): one-hot document ids
+    return (tags[q_idx] & tags[kv_idx]).any() | (kv_idx == q_idx)
+
+
+def _per_element_case(name: str):
+    q, k, v = inputs(Q_LEN, KV_LEN)
+    g = torch.Generator().manual_seed(8)
+    if name == "mla_rope":
+        return q, k, v, mla_rope(*_rope_tables(2, 4, Q_LEN, KV_LEN), 4), causal
+    if name == "summed_features":
+        qf = torch.randn(Q_LEN, 5, dtype=F64, generator=g)
+        kf = torch.randn(KV_LEN, 5, dtype=F64, generator=g)
+        return q, k, v, summed_features(qf, kf), None
+    if name == "cross_attention":
+        return q, k, v, None, cross_attention
+    return q, k, v, alibi, any_shared
+
+
+@pytest.mark.parametrize("name", ["mla_rope", "summed_features", "cross_attention", "any"])
+def test_per_element_mods_equal_torchs_flex(name: str) -> None:
+    """score_mods and mask_mods that reduce (``torch.dot``, ``.sum()``, ``.any()`` with no dim)
+    or index a gathered row mean what they mean per element, as torch vmaps them (called once
+    per tile on broadcast indices, they were 1.5-2.9 off or crashed)."""
+    q, k, v, score_mod, mask_mod = _per_element_case(name)
+    ours_bm = theirs_bm = None
+    if mask_mod is not None:
+        sizes = (mask_mod, None, None, Q_LEN, KV_LEN)
+        ours_bm = create_block_mask(*sizes, BLOCK_SIZE=BLOCK)
+        theirs_bm = tf.create_block_mask(*sizes, device="cpu", BLOCK_SIZE=BLOCK)
+        assert torch.equal(ours_bm.to_dense(), theirs_bm.to_dense())
+    out, lse = flex_attention(q, k, v, score_mod, ours_bm, return_lse=True)
+    ref, ref_lse = torch_flex(q, k, v, score_mod, theirs_bm, return_lse=True)
+    assert (out - ref).abs().max() <= 1e-10
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    seen = torch.isfinite(ref_lse)
+    assert (lse[seen] - ref_lse[seen]).abs().max() <= 1e-10
+
+
+def test_per_element_score_mod_gradients_reach_what_it_captures() -> None:
+    """MLA's score_mod: gradients of q, k, v and of both captured RoPE tables equal float64
+    autograd through the dense formula written out, ``score + 0.5 * q_rope . k_rope``
+    (torch's own eager backward fails on this mod)."""
+    grads = []
+    for route in ("flex", "dense"):
+        query_rope, key_rope = _rope_tables(2, 4, Q_LEN, KV_LEN, requires_grad=True)
+        q, k, v = (t.requires_grad_() for t in inputs(Q_LEN, KV_LEN))
+        if route == "flex":
+            bm = create_block_mask(causal, None, None, Q_LEN, KV_LEN, BLOCK_SIZE=BLOCK)
+            out = flex_attention(q, k, v, mla_rope(query_rope, key_rope, 4), bm)
+        else:
+            rope = 0.5 * query_rope @ key_rope.transpose(-1, -2)  # (b, h, i, j)
+            out = dense_flex(q, k, v, lambda s, b, h, i, j, r=rope: s + r, causal)
+        weights = torch.randn(out.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
+        (out * weights).sum().backward()  # type: ignore[operator]
+        grads.append([t.grad for t in (q, k, v, query_rope, key_rope)])
+    for ours, ref in zip(*grads, strict=True):
+        assert ref is not None and ref.abs().max() > 0
+        assert (ours - ref).abs().max() <= 1e-10
+
+
+def test_full_blocks_skip_the_mask_and_empty_blocks_are_never_visited(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Causal, 4 x 4 blocks: mask_mod is evaluated only on the diagonal (partial) blocks, in the
+    forward and the backward (the tiles it is vmapped over are recorded)."""
+    import attnkit.flex.block_mask as block_mask
+
     calls: list[tuple[int, int, int, int]] = []
+    per_element = block_mask.per_element
 
-    def recorded(b, h, q_idx, kv_idx):
-        calls.append((int(q_idx.min()), int(q_idx.max()), int(kv_idx.min()), int(kv_idx.max())))
-        return q_idx >= kv_idx
+    def recording(fn, *, score):  # type: ignore[no-untyped-def]
+        tile = per_element(fn, score=score)
 
-    bm = create_block_mask(recorded, None, None, 128, 128, BLOCK_SIZE=32)
+        def recorded(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            calls.append((int(q_idx.min()), int(q_idx.max()), int(kv_idx.min()), int(kv_idx.max())))
+            return tile(b, h, q_idx, kv_idx)
+
+        return recorded
+
+    monkeypatch.setattr(block_mask, "per_element", recording)
+    bm = create_block_mask(causal, None, None, 128, 128, BLOCK_SIZE=32)
     calls.clear()
     q, k, v = (t.requires_grad_() for t in inputs(128, 128))
     flex_attention(q, k, v, block_mask=bm).sum().backward()  # type: ignore[union-attr]
@@ -268,8 +376,8 @@ def test_named_errors() -> None:
         flex_attention(q[:, :, :40], k, v, block_mask=bm)
     with pytest.raises(ValueError, match="block_mask was built for"):
         flex_attention(q, k, v, block_mask=create_block_mask(causal, 3, None, 64, 64))
-    with pytest.raises(ValueError, match="score's shape"):
-        flex_attention(q, k, v, lambda s, b, h, qi, ki: s.sum(dim=-1))
+    with pytest.raises(ValueError, match=r"one value per element .* got shape \(2,\)"):
+        flex_attention(q, k, v, lambda s, b, h, qi, ki: s.expand(2))
     with pytest.raises(NotImplementedError, match="no dropout"):
         flex_attention(q, k, v, dropout_p=0.1)
     with pytest.raises(ValueError, match="enable_gqa=True"):

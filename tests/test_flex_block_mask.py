@@ -66,19 +66,54 @@ def test_block_masks_equal_torchs(name: str, size: tuple) -> None:
 
 
 def test_strips_of_bounded_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """mask_mod sees at most BLOCK_SIZE queries and the evaluation budget per call (a tiny
-    budget here: one key block per call), and the result does not change."""
+    """mask_mod is vmapped over at most BLOCK_SIZE queries and the evaluation budget per call
+    (a tiny budget here: one key block per call), and the result does not change."""
     seen: list[tuple[int, int]] = []
+    per_element = fbm.per_element
 
-    def recorded(b, h, q_idx, kv_idx):
-        seen.append((q_idx.numel(), kv_idx.numel()))
-        return head_window(b, h, q_idx, kv_idx)
+    def recording(fn, *, score):  # type: ignore[no-untyped-def]
+        tile = per_element(fn, score=score)
 
+        def recorded(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            seen.append((q_idx.numel(), kv_idx.numel()))
+            return tile(b, h, q_idx, kv_idx)
+
+        return recorded
+
+    monkeypatch.setattr(fbm, "per_element", recording)
     monkeypatch.setattr(fbm, "_EVAL_BUDGET", 1)
-    ours = create_block_mask(recorded, 2, 3, 300, 200, BLOCK_SIZE=64)
+    ours = create_block_mask(head_window, 2, 3, 300, 200, BLOCK_SIZE=64)
     assert max(q for q, _ in seen) <= 64 and max(k for _, k in seen) <= 64
     assert len(seen) == 5 * 4  # 5 query strips x 4 key blocks
     _same_blocks(ours, tf.create_block_mask(head_window, 2, 3, 300, 200, "cpu", BLOCK_SIZE=64))
+
+
+# Mods written per element, as torch calls them: they reduce over a gathered row or index one.
+TAGS = torch.rand(257, 3, generator=torch.Generator().manual_seed(4)) > 0.6  # (n, tags)
+
+
+def shared_tag(b, h, q_idx, kv_idx):  # .any() with no dim: True when one tag is shared
+    return (TAGS[q_idx] & TAGS[kv_idx]).any() | (q_idx == kv_idx)
+
+
+INTERVALS = torch.tensor([[0, 40], [10, 90], [90, 257]])  # (images, 2): text spans per image
+IMAGE_OF_KEY = torch.arange(3).repeat_interleave(32)  # 32 tokens per image
+
+
+def cross_attention(b, h, q_idx, kv_idx):  # Flamingo's text-to-image mask (attention-gym)
+    interval = INTERVALS[IMAGE_OF_KEY[kv_idx]]  # a gathered row, indexed below
+    return (q_idx >= interval[0]) & (q_idx < interval[1])
+
+
+@pytest.mark.parametrize("mask_mod", [shared_tag, cross_attention], ids=lambda f: f.__name__)
+def test_per_element_mask_mods_equal_torchs(mask_mod) -> None:  # type: ignore[no-untyped-def]
+    """A mask_mod means what it means per element: ``.any()`` over a gathered row, and a row
+    of a captured table indexed by a gathered index (both broke when called on a tile)."""
+    kv_len = 96 if mask_mod is cross_attention else 257
+    args = (mask_mod, 2, 2, 257, kv_len)
+    ours = create_block_mask(*args, device="cpu", BLOCK_SIZE=32)
+    _same_blocks(ours, tf.create_block_mask(*args, device="cpu", BLOCK_SIZE=32))
+    assert 1 in ours.block_states().unique().tolist()  # partial blocks: mask_mod decides
 
 
 def test_classification_by_hand() -> None:

@@ -3,14 +3,11 @@
 ``flex_attention``, ``create_block_mask``, ``BlockMask``, ``and_masks``, ``or_masks`` and
 ``noop_mask`` have the names and meaning of ``torch.nn.attention.flex_attention`` (Dong et al.
 2024, "Flex Attention", arXiv:2412.05496). A ``score_mod(score, b, h, q_idx, kv_idx)`` and a
-``mask_mod(b, h, q_idx, kv_idx)`` written for torch run unchanged: attnkit calls them once per
-tile, on broadcast index tensors instead of scalars::
-
-    score (b, h, bi, bj)    b (b, 1, 1, 1)    h (1, h, 1, 1)
-    q_idx (1, 1, bi, 1)     kv_idx (1, 1, 1, bj)
-
-so elementwise ops, ``torch.where`` and indexing captured tensors (``doc_ids[q_idx]``,
-``table[h, q_idx - kv_idx]``) mean what they mean in torch. The engine is the tiled backend
+``mask_mod(b, h, q_idx, kv_idx)`` written for torch run unchanged, with torch's meaning: each
+is called on one element (a score and four 0-d index tensors), vmapped over the grid as torch
+vmaps it, so reductions (``torch.dot(qf[q_idx], kf[kv_idx])``, ``.any()``), indexing captured
+tensors (``doc_ids[q_idx]``, ``table[h, q_idx - kv_idx]``) and elementwise ops mean what they
+mean in torch (``attnkit.flex.elementwise``). The engine is the tiled backend
 (``attnkit.backends.tiled``): no ``i x j`` tensor is built, and the backward recomputes each tile
 and differentiates through ``score_mod``, so gradients reach q, k, v and the tensors a score_mod
 captures (a learned bias table), which torch's CPU flex refuses.

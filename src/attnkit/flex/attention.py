@@ -9,6 +9,7 @@ from torch import Tensor
 
 from attnkit.backends.tiled import tiled_attention
 from attnkit.flex.block_mask import BlockMask
+from attnkit.flex.elementwise import per_element
 
 __all__ = ["ScoreMod", "flex_attention"]
 
@@ -44,8 +45,9 @@ def flex_attention(
         query: ``(b, h, i, d)``; key ``(b, h_kv, j, d)``; value ``(b, h_kv, j, dv)``, with
             ``h_kv == h``, or ``h_kv`` dividing ``h`` when ``enable_gqa`` (grouped-query
             attention: query head ``hq`` reads key head ``hq // (h / h_kv)``).
-        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, elementwise; gradients
-            flow through it into q, k and the tensors it captures.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on one element, as torch
+            calls it (``attnkit.flex.elementwise``); gradients flow through it into q, k and
+            the tensors it captures.
         block_mask: from ``create_block_mask`` (attnkit's or torch's) for exactly ``(i, j)``;
             its ``mask_mod`` decides the partial blocks. None: every key is visible.
         scale: multiplies ``q @ k^T``; None: ``1 / sqrt(d)``.
@@ -96,7 +98,7 @@ def flex_attention(
         value,
         scale=scale,
         mask_fn=mask_fn,
-        score_mod=score_mod,
+        score_mod=None if score_mod is None else per_element(score_mod, score=True),
         block_q=block_q,
         block_k=block_k,
         return_lse=True,

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit._structure import block_ranges
+from attnkit.flex.elementwise import per_element
 from attnkit.masks import StructuredFn, declare
 
 __all__ = [
@@ -280,7 +281,7 @@ class _BlockMaskFn:
     """
 
     def __init__(self, block_mask: BlockMask, n_batch: int, n_heads: int) -> None:
-        self.mask_mod = block_mask.mask_mod
+        self.mask_mod = per_element(block_mask.mask_mod, score=False)
         self.__name__ = _name(block_mask.mask_mod)  # what StructuredFn prints
         self.q_bs, self.kv_bs = block_mask.BLOCK_SIZE
         self.states = block_mask.block_states()  # (B or 1, H or 1, nq, nk)
@@ -387,8 +388,9 @@ def create_block_mask(
     """The ``BlockMask`` of ``mask_mod`` over ``(B, H, Q_LEN, KV_LEN)``, built tile by tile.
 
     ``B`` / ``H`` None: the mask is the same for every batch / head (evaluated at 0, stored with
-    size 1). ``mask_mod`` is called on one strip of ``BLOCK_SIZE`` queries by a bounded number
-    of keys at a time, never on the whole ``Q_LEN x KV_LEN``; a block is full when all its
+    size 1). ``mask_mod`` is called per element as torch calls it (``attnkit.flex.elementwise``),
+    vmapped over one strip of ``BLOCK_SIZE`` queries by a bounded number of keys at a time,
+    never over the whole ``Q_LEN x KV_LEN``; a block is full when all its
     ``BLOCK_SIZE x BLOCK_SIZE`` positions are visible (positions past the lengths count as not
     visible, as in torch, so edge blocks of uneven lengths are at most partial).
     """
@@ -400,6 +402,7 @@ def create_block_mask(
             "five arguments, like a score_mod(score, b, h, q_idx, kv_idx)"
         )
     q_bs, kv_bs = _block_sizes(BLOCK_SIZE)
+    tile_mod = per_element(mask_mod, score=False)
     nb, nh = 1 if B is None else B, 1 if H is None else H
     n_rows, n_cols = -(-Q_LEN // q_bs), -(-KV_LEN // kv_bs)
     states = torch.zeros((nb, nh, n_rows, n_cols), dtype=torch.int8, device=device)
@@ -413,7 +416,7 @@ def create_block_mask(
         for j0 in range(0, KV_LEN, chunk):
             j1 = min(KV_LEN, j0 + chunk)
             j = torch.arange(j0, j1, device=device).view(1, 1, 1, -1)
-            m = _checked_mask(mask_mod, mask_mod(b, h, i, j))
+            m = _checked_mask(mask_mod, tile_mod(b, h, i, j))
             m = m.expand(nb, nh, i1 - i0, j1 - j0)  # (b, h, bi, bj)
             width = -(-(j1 - j0) // kv_bs) * kv_bs  # pad with "not visible" to whole blocks
             m = F.pad(m, (0, width - (j1 - j0), 0, q_bs - (i1 - i0)))

@@ -1,0 +1,122 @@
+"""torch's calling convention for ``score_mod`` and ``mask_mod``: one element at a time.
+
+torch's FlexAttention defines a mod on scalars: ``score_mod(score, b, h, q_idx, kv_idx)`` and
+``mask_mod(b, h, q_idx, kv_idx)`` see one score and four 0-d index tensors, and torch runs them
+over a grid through four nested ``torch.vmap`` (``_vmap_for_bhqkv`` in
+``torch/nn/attention/flex_attention.py``: key positions innermost, then queries, heads,
+batches), with ``tensor[index_tensor]`` read as ``aten.index`` (``_IndexAsTorchDoes``). So a
+mod may reduce (``(qf[q_idx] * kf[kv_idx]).sum()``, ``torch.dot`` of gathered rows,
+``.any()``) or index a gathered row (``interval[0]``), and it means the same per element.
+``per_element`` gives the tiled engine that meaning: a function on a tile's broadcast index
+tensors that runs the mod exactly as torch does::
+
+    score (b, h, bi, bj)    b (b, 1, 1, 1)    h (1, h, 1, 1)    i (1, 1, bi, 1)    j (1, 1, 1, bj)
+
+vmap computes each operation once per distinct index it depends on (``q_idx - kv_idx`` is a
+``(bi, bj)`` tensor, ``h`` a ``(h,)`` one), so an elementwise mod costs what the broadcast
+call cost, plus vmap's dispatch per operation and tile (``docs/benchmarks.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["per_element"]
+
+try:  # what torch.vmap does for each level, called directly (private names)
+    from torch._C._functorch import _add_batch_dim, _remove_batch_dim
+    from torch._functorch.vmap import vmap_increment_nesting
+except ImportError:  # pragma: no cover - torch.vmap itself, slower
+    _add_batch_dim = _remove_batch_dim = vmap_increment_nesting = None  # type: ignore[assignment]
+
+# (b, h, q_idx, kv_idx) in_dims of each vmap, innermost first: torch's _vmap_for_bhqkv.
+_LEVELS = (
+    (None, None, None, 0),
+    (None, None, 0, None),
+    (None, 0, None, None),
+    (0, None, None, None),
+)
+
+
+class _IndexAsTorchDoes(TorchFunctionMode):
+    """``tensor[index]`` with tensor or int indices read as ``aten.index(tensor, indices)``, as
+    torch reads it inside a mod: under vmap a 0-d index tensor cannot become a Python int.
+
+    torch's ``TransformGetItemToIndex`` routes the same call through ``ModIndex``, an autograd
+    function computing ``aten.index`` forward and its scatter backward (the gradient
+    ``aten.index`` has itself); written here so that vmap uses ``aten.index``'s batching rule
+    directly: ``ModIndex`` under four vmaps costs milliseconds a call."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is Tensor.__getitem__:
+            target, index = args
+            leaves = tree_leaves(index)
+            if all(isinstance(x, (Tensor, int)) for x in leaves):
+                indices = [
+                    x if isinstance(x, Tensor) else torch.tensor(x, device=target.device)
+                    for x in leaves
+                ]
+                return torch.ops.aten.index(target, indices)
+        return func(*args, **(kwargs or {}))
+
+
+def _vmap(fn: Callable[..., Tensor], in_dims: tuple[int | None, ...]) -> Callable[..., Tensor]:
+    """``torch.vmap(fn, in_dims, out_dims=0)`` for positional tensor arguments, without its
+    argument flattening and checks: the same batching calls, about a tenth of the Python cost
+    (the engine calls a mod once per tile and vmap level)."""
+    if _remove_batch_dim is None:  # pragma: no cover - a torch without these internals
+        return torch.vmap(fn, in_dims=in_dims, out_dims=0)
+    axis = next(k for k, d in enumerate(in_dims) if d is not None)
+
+    def mapped(*args: Tensor) -> Tensor:
+        n = args[axis].shape[in_dims[axis]]  # type: ignore[index]
+        with vmap_increment_nesting(n, "error") as level:
+            batched = [
+                a if d is None else _add_batch_dim(a, d, level)
+                for a, d in zip(args, in_dims, strict=True)
+            ]
+            out = fn(*batched)
+            if not isinstance(out, Tensor):  # as torch.vmap says it
+                raise ValueError(f"vmap: the mod must only return Tensors, got type {type(out)}")
+            return _remove_batch_dim(out, level, n, 0)  # an unbatched result is expanded
+
+    return mapped
+
+
+def per_element(fn: Callable[..., Tensor], *, score: bool) -> Callable[..., Tensor]:
+    """``fn`` (a score_mod when ``score``, else a mask_mod) as a function of a tile's broadcast
+    index tensors, computing what torch computes: ``fn`` vmapped over b, h, q_idx, kv_idx.
+
+    The result has the tile's full shape ``(b, h, bi, bj)`` (a view where ``fn`` does not
+    depend on an index)."""
+    name = getattr(fn, "__name__", type(fn).__name__)
+    mapped = fn
+    prefix = (0,) if score else ()
+    for dims in _LEVELS:
+        mapped = _vmap(mapped, prefix + dims)
+
+    def tile(*args: Tensor) -> Tensor:
+        *first, b, h, i, j = args
+        index = (b.reshape(-1), h.reshape(-1), i.reshape(-1), j.reshape(-1))
+        if any(t.numel() == 0 for t in index):  # vmap over an empty axis: nothing to call
+            like = first[0] if score else b
+            dtype = like.dtype if score else torch.bool
+            return like.new_empty([t.numel() for t in index], dtype=dtype)
+        with _IndexAsTorchDoes():
+            out = mapped(*first, *index)
+        if out.dim() != 4:  # (b, h, bi, bj, ...): not one value per element
+            kind = "score_mod" if score else "mask_mod"
+            raise ValueError(
+                f"{kind} {name!r} must return one value per element (a 0-d tensor, as torch "
+                f"calls it), got shape {tuple(out.shape[4:])} for each (b, h, q_idx, kv_idx)"
+            )
+        return out
+
+    tile.__name__ = name
+    tile.__wrapped__ = fn  # type: ignore[attr-defined]
+    return tile
