@@ -104,3 +104,21 @@ def test_pretrained_classifier_pools_real_tokens_freezes_and_reads_cls_attention
     assert torch.all(cls[~mask] == 0)
     with pytest.raises(ValueError, match="freeze_layers"):
         PretrainedTextClassifier(BertModel(config), freeze_layers=4)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: TabularConfig(d_model=16, num_heads=3), r"num_heads \(3\) must divide d_model"),
+        (lambda: TextConfig(vocab_size=9, d_model=30), r"num_heads \(4\) must divide d_model"),
+        (lambda: TabularConfig(num_layers=0), "num_layers must be a positive int, got 0"),
+        (lambda: TextConfig(vocab_size=0), "vocab_size must be a positive int, got 0"),
+        (lambda: TextConfig(vocab_size=9, max_len=2.5), "max_len must be a positive int"),
+        (lambda: TabularConfig(ff_mult=True), "ff_mult must be a positive int, got True"),
+        (lambda: TabularConfig(dropout=1.0), r"dropout must be in \[0, 1\), got 1.0"),
+    ],
+)
+def test_configs_refuse_what_no_model_can_be_built_from(make, match) -> None:
+    """Checked when the config is made, before any model (or a run's folder) exists."""
+    with pytest.raises(ValueError, match=match):
+        make()

@@ -64,6 +64,10 @@ def test_config_rejects_bad_values():
         TrainConfig(monitor="train_loss")
     with pytest.raises(ValueError, match="epochs"):
         TrainConfig(epochs=0)
+    for name in ("lr", "weight_decay", "grad_clip"):
+        for value in (float("inf"), float("nan")):
+            with pytest.raises(ValueError, match=rf"{name} must be a finite number, got {value}"):
+                TrainConfig(**{name: value})
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ epoch, which gives exactly the uninterrupted run.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,13 +21,14 @@ if TYPE_CHECKING:
     from attnkit.train.loop import TrainConfig
 
 
-def _number(kind: type, least: float, words: str) -> Callable[[str], float]:
+def _number(kind: type, least: float, words: str, most: float = math.inf) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {words}") from None
-        if not value >= least:  # also refuses a NaN
+        # Also refuses a NaN, and an infinity (every number here is a finite setting).
+        if not least <= value <= most or (kind is float and not math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"{text!r} is not {words}")
         return value
 
@@ -36,7 +38,8 @@ def _number(kind: type, least: float, words: str) -> Callable[[str], float]:
 
 POSITIVE = _number(int, 1, "a whole number of at least 1")
 NATURAL = _number(int, 0, "a whole number of at least 0")
-POSITIVE_FLOAT = _number(float, 1e-300, "a number above 0")
+POSITIVE_FLOAT = _number(float, 1e-300, "a finite number above 0")
+THREADS = _number(int, 1, "a whole number from 1 to 1024", 1024)  # torch takes up to 2**31 - 1
 TEXT_ONLY = ("max_len", "limit_train", "freeze_layers")  # options only the text task reads
 
 
@@ -93,7 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--threads",
-        type=POSITIVE,
+        type=THREADS,
         default=None,
         help="torch threads (default 1, 2 for the pretrained model; on a busy machine use 1: "
         "two threads that wait for each other can be 20x slower)",
@@ -158,6 +161,7 @@ def check(args: argparse.Namespace) -> Path:
                 f"--freeze-layers: the pretrained model has {layers} layers, got "
                 f"{args.freeze_layers}"
             )
+    check_recipe(args)
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the saved run and --overwrite replaces it: pick one")
     out = out_dir(args)
@@ -173,6 +177,38 @@ def check(args: argparse.Namespace) -> Path:
     if not os.access(parent, os.W_OK):
         raise PermissionError(f"--out {str(out)!r}: {str(parent)!r} is not writable")
     return out
+
+
+def check_recipe(args: argparse.Namespace) -> None:
+    """The training and model settings the options make, built (so checked) now: a setting the
+    run would refuse after creating its folder is refused before anything is written."""
+    from dataclasses import replace
+
+    from attnkit._memory import check_fits
+    from attnkit.models.classifiers import TabularConfig, TextConfig
+    from attnkit.train.loop import TrainConfig
+
+    _train_config(args, TrainConfig())  # checks lr, epochs, batch size, patience
+    if args.task == "text" and args.variant == "pretrained":
+        return  # its sizes are the bundled model's (checked above)
+    base = TabularConfig() if args.task == "iris" else TextConfig(vocab_size=1)
+    d, heads = args.d_model or base.d_model, args.heads or base.num_heads
+    layers = args.layers or base.num_layers
+    if d % heads:
+        raise ValueError(
+            f"--heads {heads} must divide the embedding width --d-model {d} (each head reads an "
+            "equal slice of it)"
+        )
+    positions = args.max_len or 0
+    replace(base, d_model=d, num_heads=heads, num_layers=layers)
+    # Each block holds 4 d^2 (attention) + 2 ff_mult d^2 (feed-forward) weights; with their
+    # gradients and AdamW's two moments a float32 weight takes 16 bytes.
+    params = layers * (4 + 2 * base.ff_mult) * d * d + positions * d
+    check_fits(
+        16 * params,
+        f"--d-model {d}, --layers {layers}: the model's {params:,} weights with their gradients "
+        "and optimizer state",
+    )
 
 
 # A run stopped before its first epoch was saved holds no trained state (``has_trained``): a

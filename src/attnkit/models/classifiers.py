@@ -45,6 +45,22 @@ def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
+def _check_sizes(config: TabularConfig | TextConfig, names: tuple[str, ...]) -> None:
+    """Every size a positive int, ``ff_mult`` too, and the heads dividing the width: checked
+    when the config is made, before a model (or a run folder) exists."""
+    for name in (*names, "ff_mult"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if config.d_model % config.num_heads:
+        raise ValueError(
+            f"num_heads ({config.num_heads}) must divide d_model ({config.d_model}): each head "
+            "reads an equal slice of the embedding"
+        )
+    if not 0 <= config.dropout < 1:
+        raise ValueError(f"dropout must be in [0, 1), got {config.dropout!r}")
+
+
 def _block(d_model: int, num_heads: int, ff_mult: int, dropout: float) -> TransformerBlock:
     """A pre-norm block (Xiong et al. 2020): trains stably on tiny data with a short warm-up."""
     return TransformerBlock(
@@ -66,6 +82,9 @@ class TabularConfig:
     dropout: float = 0.1
     # b_f starts this many times larger than w_f (see __init__); 3 was measured best (60 seeds).
     feature_bias_init: float = 3.0
+
+    def __post_init__(self) -> None:
+        _check_sizes(self, ("n_features", "n_classes", "d_model", "num_heads", "num_layers"))
 
 
 class TabularAttentionClassifier(nn.Module):
@@ -123,6 +142,11 @@ class TextConfig:
     num_layers: int = 2
     ff_mult: int = 4
     dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check_sizes(
+            self, ("vocab_size", "max_len", "n_classes", "d_model", "num_heads", "num_layers")
+        )
 
 
 class AttentionPooling(nn.Module):

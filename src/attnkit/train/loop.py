@@ -98,6 +98,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.warmup_frac < 1:
             raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac}")
+        for name in ("lr", "weight_decay", "grad_clip"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
         if self.lr <= 0 or self.patience < 0 or self.grad_clip < 0:
             raise ValueError(
                 f"need lr > 0, patience >= 0, grad_clip >= 0; got lr={self.lr}, "
