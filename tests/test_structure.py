@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from attnkit import masks
@@ -175,3 +176,77 @@ def test_block_layout_structure_agrees_with_evaluation() -> None:
             assert torch.equal(visible, seen), (i0, i1, j0, j1)
         else:
             assert not bool((seen & ~visible).any())
+
+
+# One tile plan per call, read by every consumer.
+
+
+def _plan_case(case: str, n: int):
+    """(mask function, is_causal, tile sizes of the fused forward for it)."""
+    if case == "causal":
+        return None, True, (64, 256)
+    if case == "window":
+        return masks.window_fn(100, 20), False, (64, 256)
+    if case == "block layout":
+        return block_sparse(strided_layout(n // 64, 2, 3), 64), False, (64, 64)
+    ids = torch.arange(n) * 3 // n  # three documents: an undeclared mask function
+
+    def documents(b, h, i, j):
+        return ids[i] == ids[j]
+
+    return documents, True, (64, 256)
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "block layout", "documents"])
+def test_one_plan_serves_tiled_fused_and_the_cost_model(case: str, monkeypatch) -> None:
+    """The cost model, the fused kernel and the tiled backend ask for the same plan and get one
+    object, made once; its kept tiles are exactly the tiles with a visible pair under exact
+    structure ("full" exactly where every pair is visible), and every tile, partly visible,
+    for an undeclared function (which the fused kernel evaluates whole, planning its tiles by
+    the causal band alone: a second plan)."""
+    from attnkit import _structure, scaled_dot_product_attention
+    from attnkit.backends import cost
+    from attnkit.backends.fused import jit
+    from attnkit.backends.tiled import tiled_attention
+    from attnkit.functional import make_call
+
+    try:
+        jit.build()
+    except jit.NotBuilt as reason:
+        pytest.skip(f"the fused kernel cannot be built here: {reason}")
+    n = 640
+    fn, causal, (bq, bk) = _plan_case(case, n)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    monkeypatch.setattr(_structure, "_PLANS", type(_structure._PLANS)())
+    monkeypatch.setattr(_structure, "_PLAN_STATS", {"hits": 0, "misses": 0})
+    kw = {"mask": fn, "is_causal": causal}
+    cost.terms("fused", make_call(q, k, v, **kw))
+    fused = scaled_dot_product_attention(q, k, v, backend="fused", **kw)
+    tiled = tiled_attention(q, k, v, mask_fn=fn, is_causal=causal, block_q=bq, block_k=bk)
+    info = masks.plan_cache_info()
+    made, shared = (2, 1) if case == "documents" else (1, 2)
+    assert (info["misses"], info["hits"], info["size"]) == (made, shared, made)
+    # the plan the cost model and tiled share (documents: the one with the undeclared part)
+    ((plan, _),) = [v for key, v in _structure._PLANS.items() if ("opaque",) in key[0] or made == 1]
+    assert (plan.block_q, plan.block_k) == (bq, bk)
+    ref = scaled_dot_product_attention(q, k, v, backend="math", **kw)
+    assert (fused - ref).abs().max() < 1e-12 and (tiled - ref).abs().max() < 1e-12
+    dense = masks.materialize(fn, (1, 1, n, n))[0, 0] if fn is not None else torch.ones(n, n)
+    if causal:
+        dense = dense.bool() & masks.causal_mask(n, n)
+    for r, row in enumerate(plan.rows):
+        kept = {j0: full for j0, _, full in row}
+        for j0 in range(0, n, bk):
+            tile = dense[r * bq : (r + 1) * bq, j0 : j0 + bk]
+            if case == "documents":  # the causal band's tiles, all to be evaluated
+                band = masks.causal_mask(n, n)[r * bq : (r + 1) * bq, j0 : j0 + bk]
+                assert kept.get(j0) is (False if bool(band.any()) else None), (r, j0)
+            else:
+                assert (j0 in kept) == bool(tile.any()), (r, j0)
+                assert kept.get(j0, False) == bool(tile.all()), (r, j0)
+    offsets, tiles = plan.tensors()
+    assert offsets.tolist()[-1] == plan.tiles == tiles.shape[0]
+    by_key_offsets, by_key = plan.by_key()
+    assert by_key.shape[0] == plan.tiles and by_key_offsets.tolist()[-1] == plan.tiles
+    assert "kept" in plan.to_string().splitlines()[0]

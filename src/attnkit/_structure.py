@@ -12,22 +12,27 @@ is plain Python on integers: it costs nothing next to a tile's matmul.
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
+import torch
 from torch import Tensor
 
 __all__ = [
     "Band",
     "Structure",
     "StructuredFn",
+    "TilePlan",
     "all_of",
     "block_ranges",
     "declare",
     "exact_structure",
     "exactly",
+    "plan_cache_info",
     "relative",
     "structure_of",
+    "tile_plan",
 ]
 
 IndexFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -313,3 +318,158 @@ def all_of(*fns: IndexFn | None) -> IndexFn | None:
     if all(exact_structure(f) is not None for f in parts):
         return exactly(mask, structure)
     return declare(mask, structure)
+
+
+# The tile plan of a call: the kept key tiles of each query tile, computed once.
+
+
+@dataclass(frozen=True, eq=False)
+class TilePlan:
+    """Which key tiles each query tile of a call visits, and whether each is all visible.
+
+    Query tile ``r`` holds queries ``[r * block_q, min(n_queries, (r + 1) * block_q))``; its
+    ``rows[r]`` lists kept key tiles ``(j0, j1, full)``, ``j0`` a multiple of ``block_k``,
+    ``full`` True when every pair is visible (else the mask is evaluated on the tile). Tiles the
+    structure rules out are not listed. Local positions; the structure was read at absolute
+    positions ``q_offset + i``, ``k_offset + j``. One plan serves every reader of a call:
+    ``tiled`` and ``sparse`` (``Tiles.groups``), ``fused`` (``tensors`` and ``by_key``, read by
+    its C++ loops), the cost model (``backends.visits``) and ``to_string``.
+    """
+
+    n_queries: int
+    n_keys: int
+    block_q: int
+    block_k: int
+    rows: tuple[tuple[tuple[int, int, bool], ...], ...]
+
+    @property
+    def tiles(self) -> int:
+        """The number of kept tiles."""
+        return sum(len(row) for row in self.rows)
+
+    def pairs(self, full: bool | None = None) -> int:
+        """The (i, j) pairs of the kept tiles (only full ones, or only partial, if asked)."""
+        total = 0
+        for r, row in enumerate(self.rows):
+            height = min(self.n_queries, (r + 1) * self.block_q) - r * self.block_q
+            total += sum(height * (j1 - j0) for j0, j1, f in row if full is None or f == full)
+        return total
+
+    def tensors(self) -> tuple[Tensor, Tensor]:
+        """``(offsets, tiles)``: int64 ``(n_query_tiles + 1,)`` row offsets into ``(T, 3)``
+        rows of ``(j0, j1, full)``, row ``r``'s tiles at ``offsets[r]:offsets[r + 1]``."""
+        flat = [(j0, j1, int(full)) for row in self.rows for j0, j1, full in row]
+        offsets = [0]
+        for row in self.rows:
+            offsets.append(offsets[-1] + len(row))
+        tiles = torch.tensor(flat, dtype=torch.int64).view(-1, 3)
+        return torch.tensor(offsets, dtype=torch.int64), tiles
+
+    def by_key(self) -> tuple[Tensor, Tensor]:
+        """The same plan key tile by key tile: ``(offsets, tiles)`` with rows ``(i0, i1,
+        full)`` of the query tiles that keep key tile ``c`` at ``offsets[c]:offsets[c + 1]``."""
+        n_cols = -(-self.n_keys // self.block_k)
+        columns: list[list[tuple[int, int, int]]] = [[] for _ in range(n_cols)]
+        for r, row in enumerate(self.rows):
+            i0, i1 = r * self.block_q, min(self.n_queries, (r + 1) * self.block_q)
+            for j0, _, full in row:
+                columns[j0 // self.block_k].append((i0, i1, int(full)))
+        offsets = [0]
+        for col in columns:
+            offsets.append(offsets[-1] + len(col))
+        flat = [t for col in columns for t in col]
+        return torch.tensor(offsets, dtype=torch.int64), torch.tensor(flat, dtype=torch.int64).view(
+            -1, 3
+        )
+
+    def to_string(self) -> str:
+        """One character a tile: ``█`` all visible, ``░`` partly (evaluated), `` `` skipped."""
+        n_cols = -(-self.n_keys // self.block_k)
+        lines = [
+            f"{self.n_queries} x {self.n_keys}, tiles of {self.block_q} x {self.block_k}: "
+            f"{self.tiles} of {len(self.rows) * n_cols} kept"
+        ]
+        for row in self.rows:
+            chars = [" "] * n_cols
+            for j0, _, full in row:
+                chars[j0 // self.block_k] = "█" if full else "░"
+            lines.append("|" + "".join(chars) + "|")
+        return "\n".join(lines)
+
+
+def _key(s: Structure) -> tuple:
+    """A hashable description of a structure: its leaves (bands by value; layouts and custom
+    classifiers by identity; a part that promises nothing as "opaque", since it makes every
+    tile partly visible), sorted, since an AND does not depend on order."""
+    leaves: list[tuple] = []
+    for part in s.parts:
+        leaves.extend(_key(part))
+    if not s.skips:
+        leaves.append(("opaque",))  # promises nothing: its tiles stay partly visible
+    if s.band is not None:
+        leaves.append(("band", s.band.left, s.band.right, s.band.offset))
+    if s.layout is not None:
+        leaves.append(("layout", id(s.layout), s.block))
+    if s.tile is not None or s.ranges is not None:
+        leaves.append(("custom", id(s.tile), id(s.ranges)))
+    return tuple(sorted(leaves, key=repr))
+
+
+_PLANS: OrderedDict[tuple, tuple[TilePlan, Structure]] = OrderedDict()
+_PLANS_MAX = 64
+_PLAN_STATS = {"hits": 0, "misses": 0}
+
+
+def tile_plan(
+    structure: Structure | None,
+    n_queries: int,
+    n_keys: int,
+    block_q: int,
+    block_k: int,
+    q_offset: int = 0,
+    k_offset: int = 0,
+) -> TilePlan:
+    """The ``TilePlan`` of a call whose mask function has ``structure`` (``None``: no mask
+    function, every tile all visible), kept for the latest calls, so the forward, the backward
+    and the cost model of one call share one plan object."""
+    if structure is None:
+        rows = tuple(
+            tuple((j0, min(n_keys, j0 + block_k), True) for j0 in range(0, n_keys, block_k))
+            for _ in range(0, n_queries, block_q)
+        )
+        return TilePlan(n_queries, n_keys, block_q, block_k, rows)
+    key = (_key(structure), n_queries, n_keys, block_q, block_k, q_offset, k_offset)
+    found = _PLANS.get(key)
+    if found is not None:
+        _PLANS.move_to_end(key)
+        _PLAN_STATS["hits"] += 1
+        return found[0]
+    _PLAN_STATS["misses"] += 1
+    rows = []
+    for i0 in range(0, n_queries, block_q):
+        i1 = min(n_queries, i0 + block_q)
+        row: list[tuple[int, int, bool]] = []
+        for lo, hi in structure.visible_keys(
+            i0 + q_offset, i1 + q_offset, k_offset, k_offset + n_keys
+        ):
+            first = (lo - k_offset) // block_k * block_k
+            for j0 in range(first, hi - k_offset, block_k):
+                if row and row[-1][0] == j0:
+                    continue  # two visible ranges in one aligned tile
+                j1 = min(n_keys, j0 + block_k)
+                state = structure.classify(
+                    i0 + q_offset, i1 + q_offset, j0 + k_offset, j1 + k_offset
+                )
+                if state is not False:
+                    row.append((j0, j1, state is True))
+        rows.append(tuple(row))
+    plan = TilePlan(n_queries, n_keys, block_q, block_k, tuple(rows))
+    _PLANS[key] = (plan, structure)  # the structure keeps the ids in the key alive
+    if len(_PLANS) > _PLANS_MAX:
+        _PLANS.popitem(last=False)
+    return plan
+
+
+def plan_cache_info() -> dict[str, int]:
+    """How often ``tile_plan`` found a plan already made (``hits``) or made one (``misses``)."""
+    return dict(_PLAN_STATS, size=len(_PLANS))

@@ -43,12 +43,15 @@ from attnkit._structure import (
     Band,
     Structure,
     StructuredFn,
+    TilePlan,
     all_of,
     declare,
     exact_structure,
     exactly,
+    plan_cache_info,
     relative,
     structure_of,
+    tile_plan,
 )
 
 MaskFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -66,6 +69,7 @@ __all__ = [
     "MaskFn",
     "Structure",
     "StructuredFn",
+    "TilePlan",
     "all_of",
     "block_diagonal_mask",
     "causal_fn",
@@ -81,9 +85,11 @@ __all__ = [
     "pad_to_rank",
     "padding_mask",
     "padding_mask_from_ids",
+    "plan_cache_info",
     "relative",
     "sliding_window_mask",
     "structure_of",
+    "tile_plan",
     "to_additive",
     "window_fn",
 ]

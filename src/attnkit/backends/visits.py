@@ -1,5 +1,5 @@
 """The key tiles a tiled kernel visits for a call, for the cost model (``cost.py``): which
-tiles declared structure leaves (exactly as ``Structure.visible_keys`` and ``classify`` say),
+tiles declared structure leaves (the call's ``TilePlan``, the one the backends read),
 which of them an undeclared mask blocks (sampled), and the pairs a relative bias makes
 negligible. ``work`` is the cost model's per-call record (``cost._Work``): the call and its
 sizes ``b, h, i, j``."""
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from attnkit._numerics import compute_dtype
-from attnkit._structure import Band, Structure, structure_of
+from attnkit._structure import Band, Structure, structure_of, tile_plan
 from attnkit.backends.tiled.skipping import NEGLIGIBLE_MARGIN
 from attnkit.backends.tiled.softmax import LOG2E
 from attnkit.masks import causal_offset
@@ -62,15 +62,12 @@ def tiles_visited(work, bq: int, bk: int, gather: bool) -> Visit:
     if not structure.skips and undeclared is None:
         nq, nk = math.ceil(i / bq), math.ceil(j / bk)
         return Visit(nq * nk, float(i * j), 0.0, nq)  # every tile, fully visible
-    tiles: list[tuple[int, int, int, int, bool]] = []  # i0, i1, j0, j1, evaluated
-    for i0 in range(0, i, bq):
-        i1 = min(i, i0 + bq)
-        for lo, hi in structure.visible_keys(i0, i1, 0, j):
-            for j0 in range(lo, hi, bk):
-                j1 = min(hi, j0 + bk)
-                state = structure.classify(i0, i1, j0, j1)
-                if state is not False:
-                    tiles.append((i0, i1, j0, j1, state is None))
+    plan = tile_plan(structure, i, j, bq, bk)  # the plan the backend will read
+    tiles: list[tuple[int, int, int, int, bool]] = [  # i0, i1, j0, j1, evaluated
+        (r * bq, min(i, (r + 1) * bq), j0, j1, not full)
+        for r, row in enumerate(plan.rows)
+        for j0, j1, full in row
+    ]
     evaluated = sum((t[1] - t[0]) * (t[3] - t[2]) for t in tiles if t[4])
     if undeclared is not None and tiles:
         kept = _sampled(undeclared, tiles, work)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit._numerics import all_finite, blocked, compute_dtype
+from attnkit._structure import tile_plan
 from attnkit.backends.fused import jit
 from attnkit.backends.fused.plan import MATERIALIZE_BYTES, Plan, materialized_bytes, plan
 from attnkit.backends.tiled.api import _as4d
@@ -94,10 +95,18 @@ def _transposed(x: Tensor) -> Tensor:
     return x.transpose(-1, -2).contiguous()
 
 
-def _ints(q: Tensor, k: Tensor, v: Tensor, p: Plan, tiles: tuple[int, int]) -> list[int]:
+def _sizes(q: Tensor, k: Tensor, v: Tensor, p: Plan, tiles: tuple[int, int]) -> dict[str, int]:
+    """The kernel's named sizes (fused.h ``make_spec``)."""
     nb, h, ni, d = q.shape
-    return [nb, h, k.shape[1], ni, k.shape[2], d, v.shape[-1], *tiles,
-            p.band_lo, p.band_hi, p.layout_block]  # fmt: skip
+    return {
+        "b": nb, "h": h, "hk": k.shape[1], "i": ni, "j": k.shape[2], "d": d, "dv": v.shape[-1],
+        "block_q": tiles[0], "block_k": tiles[1], "band_lo": p.band_lo, "band_hi": p.band_hi,
+    }  # fmt: skip
+
+
+def _tile_plan(q: Tensor, k: Tensor, p: Plan, tiles: tuple[int, int]):
+    """The call's ``TilePlan`` at these tile sizes (shared with the cost model and ``tiled``)."""
+    return tile_plan(p.structure, q.shape[2], k.shape[2], *tiles)
 
 
 def _norms(q: Tensor, k: Tensor, p: Plan, acc: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
@@ -143,9 +152,12 @@ def _forward(q, k, v, bias, p: Plan, s: Setup):
     poisoned = None if bad is None else torch.zeros(nb, h, ni, dv, dtype=torch.bool)
     bias_ = None if bias is None else bias.to(acc).expand(nb, h, ni, nj)
     q_norm, k_norm = _norms(q_, k_, p, acc)
+    tiles = (s.block_q, s.block_k)
+    offsets, kept = _tile_plan(q, k, p, tiles).tensors()  # key tiles of each query tile
     kernel.forward(
-        q_op, kt_op, v_op, out, lse, shift, poisoned, bad, p.mask, bias_, p.relative, p.layout,
-        q_norm, k_norm, _ints(q, k, v, p, (s.block_q, s.block_k)), [p.scale, negligible_bits(acc)],
+        q_op, kt_op, v_op, out, lse, shift, poisoned, bad, p.mask, bias_, p.relative, offsets,
+        kept, q_norm, k_norm, _sizes(q, k, v, p, tiles),
+        {"scale": p.scale, "negligible": negligible_bits(acc)},
     )  # fmt: skip
     return out, lse, shift, poisoned, bad
 
@@ -188,11 +200,13 @@ def _backward(q, k, v, bias, out, shift, grad_out, bad, p: Plan, s: Setup, want_
     bias_ = None if bias is None else bias.to(acc).expand(nb, h, ni, nj)
     relative = None if p.relative is None else p.relative.flip(-1).contiguous()
     q_norm, k_norm = _norms(q_[..., :ni, :d], k_[..., :nj, :d], p, acc)
+    tiles = (s.backward_q, s.backward_k)
+    offsets, kept = _tile_plan(q, k, p, tiles).by_key()  # query tiles of each key tile
     kernel.backward(
         k_op, v_op, kt_op, q_t.contiguous(), do_t, do_rows, q_rows.contiguous(), shift, delta,
-        dq_t, dk_h, dv_h, dbias_full, p.mask, bias_, relative, p.layout, q_norm, k_norm,
-        _ints(q, k, v, p, (s.backward_q, s.backward_k)),
-        [p.scale, negligible_bits(acc), float(nan_rows)],
+        dq_t, dk_h, dv_h, dbias_full, p.mask, bias_, relative, offsets, kept, q_norm, k_norm,
+        _sizes(q, k, v, p, tiles),
+        {"scale": p.scale, "negligible": negligible_bits(acc), "nan_rows": float(nan_rows)},
     )  # fmt: skip
     g = h // hk
     dq = dq_t.mul_(p.scale).transpose(-1, -2)[:, :, :ni, :d]

@@ -62,19 +62,15 @@ void backward_kernel(const Spec<acc_t>& sp, const Tensor& k, const Tensor& v, co
       acc_t* dv_head = dv.data_ptr<acc_t>() + bh * dv.stride(1);
       const acc_t* kn = skipping ? sp.k_norm + bhk * sp.nj : nullptr;
       const acc_t* qn = skipping ? sp.q_norm + bh * sp.ni : nullptr;
-      for (int64_t j0 = 0; j0 < sp.nj; j0 += sp.block_k) {
+      for (int64_t kb = 0, j0 = 0; j0 < sp.nj; kb++, j0 += sp.block_k) {
         const int64_t j1 = std::min(sp.nj, j0 + sp.block_k), rows = j1 - j0;
         const int64_t rows_p = packed ? rows + (rows & 1) : rows;
-        // The queries that may see keys [j0, j1): i in [j - band_hi, j - band_lo].
-        const int64_t first = std::max<int64_t>(0, j0 - sp.band_hi);
-        const int64_t last = std::min<int64_t>(sp.ni, j1 - 1 - sp.band_lo + 1);
         const acc_t k_top = skipping ? *std::max_element(kn + j0, kn + j1) : acc_t(0);
-        for (int64_t i0 = (first / sp.block_q) * sp.block_q; i0 < last; i0 += sp.block_q) {
-          const int64_t i1 = std::min(sp.ni, i0 + sp.block_q), cols = i1 - i0;
+        // the query tiles that keep this key tile (the plan by key: TilePlan.by_key)
+        for (const KeyTile& t : planned_tiles(sp, kb)) {
+          const int64_t i0 = t.j0, i1 = t.j1, cols = i1 - i0;
           const int64_t cols_p = packed ? cols + (cols & 1) : cols;
-          if (!layout_visible(sp, i0, j0)) continue;
-          const bool in_band = j0 - (i1 - 1) >= sp.band_lo && (j1 - 1) - i0 <= sp.band_hi;
-          const bool full = in_band && sp.mask == nullptr;
+          const bool full = t.full;
           if (!full && !mask_any(sp, b, h, i0, i1, j0, j1)) continue;
           if (skipping) {  // skipping.py ``needed`` against the log-sum-exp
             acc_t top = relative_top(sp, h, i0, i1, j0, j1, true) * static_cast<acc_t>(LOG2E);
@@ -165,28 +161,28 @@ void backward(const Tensor& k, const Tensor& v, const Tensor& k_t, const Tensor&
               const Tensor& do_t, const Tensor& do_rows, const Tensor& q_rows, const Tensor& shift,
               const Tensor& delta, const Tensor& dq_t, const Tensor& dk, const Tensor& dv,
               const Opt& dbias, const Opt& mask, const Opt& bias, const Opt& relative,
-              const Opt& layout, const Opt& q_norm, const Opt& k_norm,
-              const std::vector<int64_t>& ints, const std::vector<double>& floats) {
+              const Tensor& plan_offsets, const Tensor& plan_tiles, const Opt& q_norm,
+              const Opt& k_norm, const Named& sizes, const NamedF& numbers) {
   for (const Tensor* t : {&k, &v, &k_t, &q_t, &do_t, &do_rows, &q_rows, &shift, &delta, &dq_t,
                           &dk, &dv}) {
     TORCH_CHECK(t->is_contiguous(), "fused backward: operands must be contiguous");
   }
-  const bool nan_rows = floats.size() > 2 && floats[2] != 0.0;
+  const bool nan_rows = numbers.at("nan_rows") != 0.0;
   begin_parallel();
   switch (k.scalar_type()) {
     case at::kFloat:
       backward_kernel<float, float>(
-          make_spec<float>(mask, bias, relative, layout, q_norm, k_norm, ints, floats), k, v,
+          make_spec<float>(mask, bias, relative, plan_offsets, plan_tiles, q_norm, k_norm, sizes, numbers), k, v,
           k_t, q_t, do_t, do_rows, q_rows, shift, delta, dq_t, dk, dv, dbias, nan_rows);
       break;
     case at::kDouble:
       backward_kernel<double, double>(
-          make_spec<double>(mask, bias, relative, layout, q_norm, k_norm, ints, floats), k, v,
+          make_spec<double>(mask, bias, relative, plan_offsets, plan_tiles, q_norm, k_norm, sizes, numbers), k, v,
           k_t, q_t, do_t, do_rows, q_rows, shift, delta, dq_t, dk, dv, dbias, nan_rows);
       break;
     case at::kBFloat16:
       backward_kernel<at::BFloat16, float>(
-          make_spec<float>(mask, bias, relative, layout, q_norm, k_norm, ints, floats), k, v,
+          make_spec<float>(mask, bias, relative, plan_offsets, plan_tiles, q_norm, k_norm, sizes, numbers), k, v,
           k_t, q_t, do_t, do_rows, q_rows, shift, delta, dq_t, dk, dv, dbias, nan_rows);
       break;
     default:

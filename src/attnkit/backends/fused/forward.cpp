@@ -1,7 +1,7 @@
 // The fused forward: the tiled forward (src/attnkit/backends/tiled/forward.py) as one C++ loop.
 //
 //     for each (batch, head, query block):  state = empty
-//         for each key tile the structure lets it see (tiles.py ``groups``):
+//         for each key tile the call's tile plan keeps for it (tiles.py ``groups``):
 //             s = q k_t^T * scale * log2(e) + bias_t * log2(e)    (masked: blocked)
 //             state = update(state, s, v_t, exact_shift(state, s))
 //         output, lse = finish(state)
@@ -16,19 +16,12 @@ namespace attnkit_fused {
 
 namespace {
 
-// The key tiles of queries [i0, i1) (tiles.py ``groups``): tiles of block_k keys aligned to
-// multiples of block_k, those the band or the layout rules out never listed.
+// The key tiles of query tile qb (the plan's row; tiles.py ``groups``), nearest keys first with
+// a relative bias (tiles.py ``order``: the running maximum starts high).
 template <typename acc_t>
-std::vector<KeyTile> key_tiles(const Spec<acc_t>& sp, int64_t i0, int64_t i1) {
-  std::vector<KeyTile> tiles;
-  int64_t lo = sp.band_first_key(i0), hi = sp.band_end_key(i1 - 1);
-  for (int64_t j0 = (lo / sp.block_k) * sp.block_k; j0 < hi; j0 += sp.block_k) {
-    int64_t j1 = std::min(sp.nj, j0 + sp.block_k);
-    if (!layout_visible(sp, i0, j0)) continue;
-    bool in_band = j0 - (i1 - 1) >= sp.band_lo && (j1 - 1) - i0 <= sp.band_hi;
-    tiles.push_back({j0, j1, in_band && sp.mask == nullptr});
-  }
-  if (sp.relative != nullptr) {  // nearest keys first: the running maximum starts high
+std::vector<KeyTile> key_tiles(const Spec<acc_t>& sp, int64_t qb, int64_t i0, int64_t i1) {
+  std::vector<KeyTile> tiles = planned_tiles(sp, qb);
+  if (sp.relative != nullptr) {
     double centre = (i0 + i1) / 2.0;
     std::stable_sort(tiles.begin(), tiles.end(), [centre](const KeyTile& a, const KeyTile& b) {
       return std::abs((a.j0 + a.j1) / 2.0 - centre) < std::abs((b.j0 + b.j1) / 2.0 - centre);
@@ -82,7 +75,7 @@ void forward_kernel(const Spec<acc_t>& sp, const Tensor& q, const Tensor& k_t, c
         q_top = *std::max_element(qn + i0, qn + i1);
       }
       bool started = false;
-      for (const KeyTile& t : key_tiles(sp, i0, i1)) {
+      for (const KeyTile& t : key_tiles(sp, qb, i0, i1)) {
         if (!t.full && !mask_any(sp, b, h, i0, i1, t.j0, t.j1)) continue;
         if (skipping && started) {  // skipping.py ``needed``: bound below every row's floor?
           const acc_t* kn = sp.k_norm + (b * sp.hk + hk) * sp.nj;
@@ -176,10 +169,9 @@ void forward_kernel(const Spec<acc_t>& sp, const Tensor& q, const Tensor& k_t, c
 
 void forward(const Tensor& q, const Tensor& k_t, const Tensor& v, const Tensor& out,
              const Tensor& lse, const Tensor& shift, const Opt& poisoned, const Opt& bad,
-             const Opt& mask,
-             const Opt& bias, const Opt& relative, const Opt& layout, const Opt& q_norm,
-             const Opt& k_norm, const std::vector<int64_t>& ints,
-             const std::vector<double>& floats) {
+             const Opt& mask, const Opt& bias, const Opt& relative, const Tensor& plan_offsets,
+             const Tensor& plan_tiles, const Opt& q_norm, const Opt& k_norm, const Named& sizes,
+             const NamedF& numbers) {
   TORCH_CHECK(q.is_contiguous() && k_t.is_contiguous() && v.is_contiguous(),
               "fused forward: q, k_t, v must be contiguous");
   TORCH_CHECK(out.is_contiguous() && lse.is_contiguous() && shift.is_contiguous(),
@@ -189,17 +181,17 @@ void forward(const Tensor& q, const Tensor& k_t, const Tensor& v, const Tensor& 
   switch (q.scalar_type()) {
     case at::kFloat:
       forward_kernel<float, float>(
-          make_spec<float>(mask, bias, relative, layout, q_norm, k_norm, ints, floats), q, k_t,
+          make_spec<float>(mask, bias, relative, plan_offsets, plan_tiles, q_norm, k_norm, sizes, numbers), q, k_t,
           v, out, lse, shift, poisoned, bad);
       break;
     case at::kDouble:
       forward_kernel<double, double>(
-          make_spec<double>(mask, bias, relative, layout, q_norm, k_norm, ints, floats), q, k_t,
+          make_spec<double>(mask, bias, relative, plan_offsets, plan_tiles, q_norm, k_norm, sizes, numbers), q, k_t,
           v, out, lse, shift, poisoned, bad);
       break;
     case at::kBFloat16:
       forward_kernel<at::BFloat16, float>(
-          make_spec<float>(mask, bias, relative, layout, q_norm, k_norm, ints, floats), q, k_t,
+          make_spec<float>(mask, bias, relative, plan_offsets, plan_tiles, q_norm, k_norm, sizes, numbers), q, k_t,
           v, out, lse, shift, poisoned, bad);
       break;
     default:

@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <string>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -51,8 +53,9 @@ constexpr int64_t NO_LIMIT = std::numeric_limits<int64_t>::max() / 4;
 // what the kernel evaluates per element:
 //   * band: key j is visible from query i only when band_lo <= j - i <= band_hi (causal of
 //     either alignment, windows; masks.Band turned into an interval of offsets j - i);
-//   * layout: a block layout (layout_rows x layout_cols cells of layout_block positions); the
-//     tile sizes divide the block, so every tile lies in one cell (visible or skipped);
+//   * plan: the call's tile plan (TilePlan.tensors for the forward, by_key for the backward):
+//     the kept tiles of each query tile (or key tile), (start, end, full) each, in CSR form;
+//     the band and any block layout are already in it, so tiles it leaves out are never seen;
 //   * mask / bias: dense tensors viewed as (b, h, i, j) with strides (0 on broadcast axes);
 //   * relative: a (h, n_i + n_j - 1) table, bias(i, j) = table[h, j - i + n_i - 1]
 //     (tiled/relative.py, evaluated once per call).
@@ -62,8 +65,8 @@ struct Spec {
   acc_t scale2 = 0;  // scale * log2(e)
   int64_t block_q = 64, block_k = 256;
   int64_t band_lo = -NO_LIMIT, band_hi = NO_LIMIT;
-  const bool* layout = nullptr;
-  int64_t layout_rows = 0, layout_cols = 0, layout_block = 1;
+  const int64_t* plan_offsets = nullptr;  // (tiles of the outer loop + 1)
+  const int64_t* plan_tiles = nullptr;    // (T, 3): start, end, full
   const bool* mask = nullptr;
   int64_t mask_sb = 0, mask_sh = 0, mask_si = 0, mask_sj = 0;
   const acc_t* bias = nullptr;
@@ -82,20 +85,23 @@ struct Spec {
   int64_t band_end_key(int64_t i) const { return std::min<int64_t>(nj, i + band_hi + 1); }
 };
 
-// A tile of keys [j0, j1) for a block of queries, and whether every pair in it is visible
-// (tiles.py ``groups``: True = all visible, else evaluate the mask).
+// A tile [j0, j1) of the inner loop (keys in the forward, queries in the backward), and
+// whether every pair in it is visible (tiles.py ``groups``: True = all visible, else evaluate).
 struct KeyTile {
   int64_t j0, j1;
   bool full;
 };
 
-// The layout cell of (query block, key tile), or true without a layout.
+// The kept tiles of the outer loop's tile ``outer`` (tiles.py ``groups``, from the TilePlan):
+// full means every pair is visible by structure and no dense mask is read.
 template <typename acc_t>
-inline bool layout_visible(const Spec<acc_t>& sp, int64_t i0, int64_t j0) {
-  if (sp.layout == nullptr) return true;
-  int64_t r = i0 / sp.layout_block, c = j0 / sp.layout_block;
-  if (r >= sp.layout_rows || c >= sp.layout_cols) return false;  // beyond the layout: blocked
-  return sp.layout[r * sp.layout_cols + c];
+std::vector<KeyTile> planned_tiles(const Spec<acc_t>& sp, int64_t outer) {
+  std::vector<KeyTile> tiles;
+  for (int64_t t = sp.plan_offsets[outer]; t < sp.plan_offsets[outer + 1]; t++) {
+    const int64_t* x = sp.plan_tiles + 3 * t;
+    tiles.push_back({x[0], x[1], x[2] != 0 && sp.mask == nullptr});
+  }
+  return tiles;
 }
 
 // Whether any pair of queries [i0, i1) x keys [j0, j1) is allowed by the dense mask (a tile
@@ -229,20 +235,28 @@ inline acc_t logits_row(acc_t* s, int64_t n, acc_t scale2, const acc_t* rel, con
 
 using Opt = std::optional<Tensor>;
 
-// The Spec of a call from the tensors and numbers the Python side passes (see __init__.py):
-// ints = [b, h, hk, i, j, d, dv, block_q, block_k, band_lo, band_hi, layout_block],
-// floats = [scale, negligible bits]. Absent tensors are None.
+// The Spec of a call from the tensors and named numbers the Python side passes (api.py
+// ``_sizes``): sizes {b, h, hk, i, j, d, dv, block_q, block_k, band_lo, band_hi}, numbers
+// {scale, negligible}. Absent tensors are None.
+using Named = std::map<std::string, int64_t>;
+using NamedF = std::map<std::string, double>;
+
 template <typename acc_t>
-Spec<acc_t> make_spec(const Opt& mask, const Opt& bias, const Opt& relative, const Opt& layout,
-                      const Opt& q_norm, const Opt& k_norm, const std::vector<int64_t>& ints,
-                      const std::vector<double>& floats) {
-  TORCH_CHECK(ints.size() == 12 && floats.size() >= 2, "fused kernel: bad argument lists");
+Spec<acc_t> make_spec(const Opt& mask, const Opt& bias, const Opt& relative,
+                      const Tensor& plan_offsets, const Tensor& plan_tiles, const Opt& q_norm,
+                      const Opt& k_norm, const Named& sizes, const NamedF& numbers) {
   Spec<acc_t> sp;
-  sp.nb = ints[0], sp.h = ints[1], sp.hk = ints[2], sp.ni = ints[3], sp.nj = ints[4];
-  sp.d = ints[5], sp.dv = ints[6], sp.block_q = ints[7], sp.block_k = ints[8];
-  sp.band_lo = ints[9], sp.band_hi = ints[10], sp.layout_block = ints[11];
-  sp.scale2 = static_cast<acc_t>(floats[0] * LOG2E);
-  sp.negligible = static_cast<acc_t>(floats[1]);
+  sp.nb = sizes.at("b"), sp.h = sizes.at("h"), sp.hk = sizes.at("hk");
+  sp.ni = sizes.at("i"), sp.nj = sizes.at("j"), sp.d = sizes.at("d"), sp.dv = sizes.at("dv");
+  sp.block_q = sizes.at("block_q"), sp.block_k = sizes.at("block_k");
+  sp.band_lo = sizes.at("band_lo"), sp.band_hi = sizes.at("band_hi");
+  sp.scale2 = static_cast<acc_t>(numbers.at("scale") * LOG2E);
+  sp.negligible = static_cast<acc_t>(numbers.at("negligible"));
+  TORCH_CHECK(plan_offsets.scalar_type() == at::kLong && plan_tiles.scalar_type() == at::kLong &&
+                  plan_offsets.is_contiguous() && plan_tiles.is_contiguous(),
+              "fused kernel: the tile plan must be contiguous int64 tensors");
+  sp.plan_offsets = plan_offsets.data_ptr<int64_t>();
+  sp.plan_tiles = plan_tiles.data_ptr<int64_t>();
   if (mask) {
     TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4, "fused kernel: mask");
     sp.mask = mask->data_ptr<bool>();
@@ -260,10 +274,6 @@ Spec<acc_t> make_spec(const Opt& mask, const Opt& bias, const Opt& relative, con
                 "fused kernel: relative table must be (h, i + j - 1)");
     sp.relative = relative->data_ptr<acc_t>();
   }
-  if (layout) {
-    sp.layout = layout->data_ptr<bool>();
-    sp.layout_rows = layout->size(0), sp.layout_cols = layout->size(1);
-  }
   if (q_norm && k_norm) {
     sp.q_norm = q_norm->data_ptr<acc_t>();
     sp.k_norm = k_norm->data_ptr<acc_t>();
@@ -273,15 +283,15 @@ Spec<acc_t> make_spec(const Opt& mask, const Opt& bias, const Opt& relative, con
 
 void forward(const Tensor& q, const Tensor& k_t, const Tensor& v, const Tensor& out,
              const Tensor& lse, const Tensor& shift, const Opt& poisoned, const Opt& bad,
-             const Opt& mask, const Opt& bias, const Opt& relative, const Opt& layout,
-             const Opt& q_norm, const Opt& k_norm, const std::vector<int64_t>& ints,
-             const std::vector<double>& floats);
+             const Opt& mask, const Opt& bias, const Opt& relative, const Tensor& plan_offsets,
+             const Tensor& plan_tiles, const Opt& q_norm, const Opt& k_norm, const Named& sizes,
+             const NamedF& numbers);
 
 void backward(const Tensor& k, const Tensor& v, const Tensor& k_t, const Tensor& q_t,
               const Tensor& do_t, const Tensor& do_rows, const Tensor& q_rows, const Tensor& shift,
               const Tensor& delta, const Tensor& dq_t, const Tensor& dk, const Tensor& dv,
               const Opt& dbias, const Opt& mask, const Opt& bias, const Opt& relative,
-              const Opt& layout, const Opt& q_norm, const Opt& k_norm,
-              const std::vector<int64_t>& ints, const std::vector<double>& floats);
+              const Tensor& plan_offsets, const Tensor& plan_tiles, const Opt& q_norm,
+              const Opt& k_norm, const Named& sizes, const NamedF& numbers);
 
 }  // namespace attnkit_fused

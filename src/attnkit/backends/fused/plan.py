@@ -32,6 +32,7 @@ from torch import Tensor
 from attnkit._numerics import compute_dtype
 from attnkit.backends.tiled.relative import Relative
 from attnkit.masks import (
+    Band,
     Structure,
     causal_offset,
     checked_bias,
@@ -60,7 +61,9 @@ class Plan:
     """Everything the kernel needs besides q, k, v and a bias tensor (see the module docstring).
 
     ``mask`` is bool and ``relative`` in the compute dtype; ``layout`` is ``(query blocks, key
-    blocks)`` of ``layout_block`` positions."""
+    blocks)`` of ``layout_block`` positions (the tile sizes divide it). ``structure``: the band
+    and layout to plan tiles by (``masks.tile_plan``; None: every tile), the same structure the
+    cost model and the tiled backend plan the call's tiles by."""
 
     scale: float
     band_lo: int = -NO_LIMIT
@@ -69,6 +72,7 @@ class Plan:
     relative: Tensor | None = None
     layout: Tensor | None = None
     layout_block: int = 1
+    structure: Structure | None = None
 
     def describe(self) -> str:
         """The structure in words (for ``explain`` and error messages)."""
@@ -177,4 +181,8 @@ def plan(
         bias = checked_bias(materialize(bias_fn, shape, device=q.device))
     if mask is not None:
         mask = mask.expand(shape)
-    return Plan(scale, lo, hi, mask, relative, layout, block), bias
+    parts = [] if mask_fn is None or rest is not None else [structure_of(mask_fn)]
+    if is_causal:
+        parts.append(Structure(band=Band(None, 0, causal_offset(ni, nj))))
+    structure = Structure(parts=tuple(parts)) if parts else None
+    return Plan(scale, lo, hi, mask, relative, layout, block, structure), bias

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from attnkit._numerics import all_finite, blocked, compute_dtype
+from attnkit._structure import tile_plan
 from attnkit.backends.tiled.layout import (
     bmm,
     flat,
@@ -105,6 +106,10 @@ class Tiles:
                 spec.bias_fn, shape, spec.q_offset, spec.k_offset, self.dtype, device
             )
         self.reverse = self.relative is not None
+        structure = None if spec.mask_fn is None else structure_of(spec.mask_fn)
+        self.plan = tile_plan(
+            structure, self.ni, self.nj, spec.block_q, spec.block_k, spec.q_offset, spec.k_offset
+        )
 
     def heads_layout(self, s: Tensor) -> Tensor:
         """Base-2 row-layout logits ``(b * h_kv, rows, bj)`` as natural-unit scores by head,
@@ -153,23 +158,12 @@ class Tiles:
         return flip_queries(x, self.g) if self.reverse else x
 
     def groups(self, i0: int, i1: int) -> list[tuple[Sel, bool | None]]:
-        """Key groups for queries ``[i0, i1)``: ``(keys, state)`` with local key indices and the
-        declared state (True: all visible, None: evaluate the mask)."""
-        spec, qo, ko = self.spec, self.spec.q_offset, self.spec.k_offset
-        structure = structure_of(spec.mask_fn)
-        ranges = [(0, self.nj)]
-        if spec.mask_fn is not None:
-            visible = structure.visible_keys(i0 + qo, i1 + qo, ko, ko + self.nj)
-            ranges = [(lo - ko, hi - ko) for lo, hi in visible]
-        tiles: list[tuple[int, int, bool | None]] = []
-        for lo, hi in ranges:
-            for j0 in range(lo, hi, spec.block_k):
-                j1 = min(hi, j0 + spec.block_k)
-                state = True
-                if spec.mask_fn is not None:
-                    state = structure.classify(i0 + qo, i1 + qo, j0 + ko, j1 + ko)
-                if state is not False:
-                    tiles.append((j0, j1, state))
+        """Key groups for queries ``[i0, i1)`` (a query tile of ``block_q``): ``(keys, state)``
+        with local key indices and the declared state (True: all visible, None: evaluate the
+        mask), the kept tiles of the call's ``TilePlan``."""
+        spec = self.spec
+        row = self.plan.rows[i0 // spec.block_q]
+        tiles = [(j0, j1, True if full else None) for j0, j1, full in row]
         if not spec.gather or len(tiles) <= 1:
             return [(slice(j0, j1), state) for j0, j1, state in tiles]
         # Sparse layouts: one group of all kept keys, gathered (contiguous runs stay a slice).
