@@ -61,6 +61,18 @@ def test_sampling_frequencies_follow_the_temperature() -> None:
     assert abs(draws.float().mean().item() - p1) < 0.03
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300, 5e-324])
+@pytest.mark.parametrize("limits", [{}, {"top_k": 3}, {"top_p": 0.9}])
+def test_a_tiny_temperature_samples_the_best_tokens(temperature: float, limits: dict) -> None:
+    """Any finite temperature > 0 passes the checks, so it must sample: as it goes to 0 the
+    distribution is uniform over the best logits (30 at tokens 1 and 3; 60 / 5 = 12 by hand),
+    never inf - inf = NaN in the softmax."""
+    logits = torch.tensor([[1.0, 30.0, 2.0, 30.0, 29.0]] * 2000)  # (b, V)
+    draws = Sampling(temperature, **limits).next_token(logits, torch.Generator().manual_seed(0))
+    assert set(draws.tolist()) == {1, 3}
+    assert abs((draws == 1).float().mean().item() - 0.5) < 0.05
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

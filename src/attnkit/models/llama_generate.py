@@ -63,7 +63,11 @@ class Sampling:
         """``logits (b, V)`` -> token ids ``(b,)``."""
         if self.temperature == 0:
             return logits.argmax(dim=-1)
-        scores = logits.float() / self.temperature  # (b, V)
+        # The best logit of each row moves to 0 before the division, and the division is in
+        # float64: a tiny temperature then sends the other scores to -inf (the argmax keeps all
+        # the mass), where logits / temperature in float32 overflowed to inf - inf = NaN.
+        shifted = logits.double() - logits.double().amax(dim=-1, keepdim=True)  # (b, V), <= 0
+        scores = shifted / self.temperature  # (b, V)
         if self.top_k is not None and self.top_k < scores.shape[-1]:
             kth = scores.topk(self.top_k, dim=-1).values[:, -1:]  # (b, 1)
             scores = scores.masked_fill(scores < kth, -math.inf)
