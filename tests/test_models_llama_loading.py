@@ -5,9 +5,11 @@ errors for files that are not a Llama model, before any tensor is read."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import struct
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,6 +191,18 @@ def test_a_gguf_claiming_2_to_the_40_items_is_refused_in_under_a_second(tmp_path
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert time.perf_counter() - started < 1.0
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="makes a FIFO")
+def test_a_fifo_or_a_device_is_refused_without_reading_it(tmp_path) -> None:
+    """A FIFO with no writer blocks the first read forever; /dev/zero never ends."""
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        if path.exists():
+            with pytest.raises(CheckpointError, match="is not a regular file or a directory"):
+                read_checkpoint(path)
 
 
 def test_bundled_checkpoint_is_checked_without_reading_tensors() -> None:

@@ -150,6 +150,11 @@ def read_checkpoint(path: str | os.PathLike[str]) -> LlamaCheckpoint:
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     if path.is_dir():
         return _read_hf_dir(path)
+    if not path.is_file():  # a FIFO or a device would block the first read, or never end
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is not a regular file or a directory (a pipe or a device "
+            "cannot be read as a model)"
+        )
     return _read_gguf(path)
 
 
