@@ -288,6 +288,42 @@ def test_greedy_generation_equals_eager(kind: str, float64_eager: None) -> None:
     assert torch.equal(tokens[NAME], tokens["eager"])
 
 
+def _git():
+    t = transformers
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4)
+    config = t.GitConfig(
+        vision_config={**vision, "image_size": 16, "patch_size": 8},
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return t.GitForCausalLM._from_config(config, dtype=torch.float64).eval()
+
+
+def test_a_model_without_the_attention_interface_is_refused_by_name() -> None:
+    """GIT supports no implementation but eager (transformers refuses sdpa for it) and its text
+    layers add the mask to their scores themselves: attnkit's bool mask would mask nothing
+    (hidden states 3-7 off), so the first forward says which model and why. T5, which declares
+    sdpa but not the backend flag, is served (test_t5_relative_position_bias_equals_eager)."""
+    model = _git()
+    ids, mask = _batch(True, left=False)
+    pixels = torch.randn(3, 3, 16, 16, dtype=torch.float64)
+    model.set_attn_implementation(NAME)
+    with pytest.raises(akt.UnsupportedModel, match=r"GitModel \(model type 'git'\).*'eager'"):
+        model(input_ids=ids, attention_mask=mask, pixel_values=pixels)
+    sizes = dict(batch_size=1, q_length=4, kv_length=4)
+    with pytest.raises(akt.UnsupportedModel, match="_supports_attention_backend"):
+        akt.layer_mask(**sizes, config=transformers.GitConfig())
+    akt.layer_mask(**sizes, config=transformers.T5Config())  # served: no error
+
+
 def test_register_twice_is_harmless_and_returns_the_name() -> None:
     assert akt.register() == akt.register() == NAME
     assert NAME in transformers.AttentionInterface._global_mapping

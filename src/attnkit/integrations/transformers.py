@@ -50,6 +50,7 @@ from attnkit.registry import get_backend
 __all__ = [
     "PASSIVE",
     "LayerMask",
+    "UnsupportedModel",
     "UnsupportedOption",
     "attention_function",
     "layer_mask",
@@ -95,6 +96,10 @@ PASSIVE = frozenset(
 
 class UnsupportedOption(ValueError):
     """A model passed an attention option attnkit cannot honour; the message names it."""
+
+
+class UnsupportedModel(ValueError):
+    """A model attnkit cannot serve through the attention interface; the message says why."""
 
 
 def _transformers() -> Any:
@@ -216,6 +221,7 @@ def layer_mask(
     a few query rows (chunked attention, which also passes ``local_size``, fails that check).
     """
     mu = _transformers().masking_utils
+    _check_model(kwargs.get("config"))
     q_offset = int(q_offset)  # static caches pass a 0-d tensor
     found, band = _known_band(
         mu,
@@ -251,6 +257,49 @@ def layer_mask(
         keep = keep[:, kv_offset : kv_offset + kv_length]  # (b, j)
         padding = None if bool(keep.all()) else keep
     return LayerMask(band, padding, (batch_size, 1, q_length, kv_length))
+
+
+_VERDICTS: dict[str, str | None] = {}  # model type -> why attnkit cannot serve it, or None
+
+
+def _check_model(config: Any) -> None:
+    """Refuse, by name, a model that supports no attention implementation but eager.
+
+    Such a model declares none of ``_supports_attention_backend``, ``_supports_sdpa`` and
+    ``_supports_flex_attn`` (transformers then refuses ``sdpa`` for it, GIT for one): its
+    layers compute attention themselves and add the mask to their scores, so a bool mask
+    from here would mask nothing. A model that supports sdpa or flex but not the backend flag
+    (T5) runs its attention through the interface and is served.
+    """
+    model_type = getattr(config, "model_type", None)
+    if not isinstance(model_type, str):
+        return
+    if model_type not in _VERDICTS:
+        _VERDICTS[model_type] = _verdict(model_type)
+    reason = _VERDICTS[model_type]
+    if reason is not None:
+        raise UnsupportedModel(reason)
+
+
+def _verdict(model_type: str) -> str | None:
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = MODEL_MAPPING_NAMES.get(model_type)
+    name = name[0] if isinstance(name, tuple) else name
+    try:
+        model = getattr(_transformers(), name) if name else None
+    except (AttributeError, ImportError, RuntimeError):  # a model its extras cannot import
+        return None
+    flags = ("_supports_attention_backend", "_supports_sdpa", "_supports_flex_attn")
+    if model is None or any(getattr(model, flag, False) for flag in flags):
+        return None
+    return (
+        f"{name} (model type {model_type!r}) is not supported by attnkit: it does not support "
+        "transformers' attention interface (_supports_attention_backend, _supports_sdpa and "
+        "_supports_flex_attn are all False), so its layers compute attention themselves and "
+        "would add attnkit's bool mask to their scores, masking nothing. Use "
+        "attn_implementation='eager' for this model"
+    )
 
 
 def _known_band(
