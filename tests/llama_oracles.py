@@ -158,11 +158,14 @@ def write_gguf(
     skip: tuple[str, ...] = (),
     reshape: dict[str, tuple[int, ...]] | None = None,
     block_count: int | None = None,
+    user_tokens: tuple[str, ...] = (),
 ) -> Path:
     """Write ``hf_model``'s weights as llama.cpp's converter does: GGUF names, q/k rows
     permuted (``LlamaModel.permute`` in convert_hf_to_gguf.py, written out here), 2-D weights in
     ``qtype``, norms in F32, and a byte-level tokenizer with a chat template. ``block_count``:
-    the layer count the metadata claims (default: the model's)."""
+    the layer count the metadata claims (default: the model's). ``user_tokens``: user-defined
+    tokens after the vocabulary, with ``llama.vocab_size`` still the model's (so their ids lie
+    past the embedding)."""
     import gguf
     import numpy as np
 
@@ -178,9 +181,11 @@ def write_gguf(
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     writer.add_tokenizer_model("gpt2")
     writer.add_string("tokenizer.ggml.pre", "smollm")
-    vocab = _byte_vocab()
+    vocab = _byte_vocab() + list(user_tokens)
     writer.add_token_list(vocab)
-    writer.add_token_types([1] * BYTE_TOKENS + [3] * len(CONTROL_TOKENS))
+    writer.add_token_types([1] * BYTE_TOKENS + [3] * len(CONTROL_TOKENS) + [4] * len(user_tokens))
+    if user_tokens:
+        writer.add_vocab_size(c.vocab_size)
     writer.add_token_merges([])
     writer.add_bos_token_id(vocab.index("<|im_start|>"))
     writer.add_eos_token_id(vocab.index("<|im_end|>"))

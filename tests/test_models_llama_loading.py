@@ -92,6 +92,15 @@ def test_gguf_with_tokenizer_loads_whole(tmp_path, hf_tiny) -> None:
     assert model.encode("<|im_start|>ab") == [257, ord("a"), ord("b")]
 
 
+def test_tokenizer_ids_past_the_embedding_are_refused_at_load(tmp_path, hf_tiny) -> None:
+    """Two user-defined tokens after the 260 the model embeds (llama.vocab_size = 260): the
+    tokenizer would give ids 260 and 261, which index past token_embd."""
+    path = write_gguf(tmp_path / "users.gguf", hf_tiny, user_tokens=("<tool>", "</tool>"))
+    words = r"the tokenizer gives ids up to 261 \(user-defined and added tokens included\), "
+    with pytest.raises(CheckpointError, match=words + "but the model embeds 260 tokens"):
+        load_pretrained(path)
+
+
 def test_another_architecture_is_refused_by_name(tmp_path, hf_tiny) -> None:
     path = write_gguf(tmp_path / "gpt2.gguf", hf_tiny, arch="gpt2")
     with pytest.raises(CheckpointError, match="'gpt2' model; attnkit reads only the 'llama'"):

@@ -42,7 +42,7 @@ from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.blocks import FeedForward
 from attnkit.models.llama_config import LlamaConfig
 from attnkit.models.llama_generate import Sampling, decode
-from attnkit.models.llama_loading import read_checkpoint
+from attnkit.models.llama_loading import CheckpointError, read_checkpoint
 from attnkit.models.llama_tokenizer import LlamaTokenizer
 from attnkit.norms import RMSNorm
 from attnkit.positional import RotaryEmbedding
@@ -566,6 +566,11 @@ def load_pretrained(
         tokenizer = LlamaTokenizer.from_gguf_metadata(ckpt.tokenizer["metadata"])
     else:
         tokenizer = LlamaTokenizer.from_hf_dir(ckpt.tokenizer["directory"])
+    if tokenizer.max_id >= ckpt.config.vocab_size:  # its ids would index past the embedding
+        raise CheckpointError(
+            f"{str(ckpt.path)!r}: the tokenizer gives ids up to {tokenizer.max_id:,} (user-defined "
+            f"and added tokens included), but the model embeds {ckpt.config.vocab_size:,} tokens"
+        )
     with torch.device("meta"):
         model = LlamaModel(ckpt.config)  # shapes only: the weights come from the file
     model.load_state_dict(ckpt.read(), strict=True, assign=True)

@@ -81,6 +81,11 @@ class LlamaTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def max_id(self) -> int:
+        """The largest id ``encode`` can give (added tokens included); -1 for no vocabulary."""
+        return max(self.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in the text are matched whole."""
         if not isinstance(text, str):
@@ -162,6 +167,11 @@ class LlamaTokenizer:
             )
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        if len(types) != len(tokens):
+            raise ValueError(
+                f"tokenizer.ggml.token_type has {len(types):,} entries for {len(tokens):,} "
+                "tokenizer.ggml.tokens"
+            )
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         alphabet = set(_byte_alphabet().values())
         spell = _byte_alphabet()
@@ -194,7 +204,14 @@ class LlamaTokenizer:
 
         def name(key: str) -> str | None:
             index = meta.get(f"tokenizer.ggml.{key}")
-            return None if index is None else tokens[int(index)]
+            if index is None:
+                return None
+            if not 0 <= int(index) < len(tokens):
+                raise ValueError(
+                    f"tokenizer.ggml.{key}={index} is not a token id (the vocabulary has "
+                    f"{len(tokens):,} tokens)"
+                )
+            return tokens[int(index)]
 
         return cls(
             tok,
