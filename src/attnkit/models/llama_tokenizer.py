@@ -27,6 +27,11 @@ __all__ = ["LlamaTokenizer"]
 CONTROL = 3
 USER_DEFINED = 4
 
+# Bounds on rendering a chat template (a template comes from a file, so it may be hostile):
+# characters of output beyond the messages' own text, and items of all its range() calls.
+TEMPLATE_CHARS = 1 << 20
+TEMPLATE_STEPS = 1_000_000
+
 # Pre-tokenizer names (tokenizer.ggml.pre) whose split is GPT-2's byte-level regex.
 GPT2_SPLIT_PRE = {None, "default", "gpt2", "gpt-2", "smollm"}
 
@@ -82,6 +87,12 @@ class LlamaTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     @property
+    def control_tokens(self) -> list[str]:
+        """The special tokens ``encode`` matches whole in text (the chat's turn markers)."""
+        added = self.tokenizer.get_added_tokens_decoder().values()
+        return sorted(t.content for t in added if t.special)
+
+    @property
     def max_id(self) -> int:
         """The largest id ``encode`` can give (added tokens included); -1 for no vocabulary."""
         return max(self.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
@@ -106,18 +117,31 @@ class LlamaTokenizer:
     def _template(self) -> Any:
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template; pass plain text instead")
-        from jinja2.exceptions import TemplateError
+        from jinja2.exceptions import SecurityError, TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
+        class Bounded(ImmutableSandboxedEnvironment):
+            """``'x' * n`` and ``a ** b`` are checked before they run: one expression could
+            build a string of any length, or an integer with billions of digits."""
+
+            intercepted_binops = frozenset(["*", "**"])
+
+            def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+                sizes = [len(x) for x in (left, right) if isinstance(x, (str, list, tuple))]
+                counts = [x for x in (left, right) if isinstance(x, int)]
+                if operator == "*" and sizes and counts and sizes[0] * counts[0] > TEMPLATE_CHARS:
+                    raise SecurityError(f"a repetition of {sizes[0] * counts[0]:,} items")
+                if operator == "**" and len(counts) == 2 and abs(left) > 1 and abs(right) > 64:
+                    raise SecurityError(f"the power {left} ** {right}")
+                return super().call_binop(context, operator, left, right)
+
         # The environment Hugging Face renders chat templates in: a sandbox (templates come
         # from files), blocks trimmed, loop controls, and raise_exception for the template's
-        # own checks.
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
+        # own checks; here also with bounded repetitions and powers.
+        env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
         return env.from_string(self.chat_template)
 
@@ -125,7 +149,17 @@ class LlamaTokenizer:
         self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
     ) -> str:
         """The prompt text for ``messages`` (``[{"role": ..., "content": ...}, ...]``), ending
-        with the assistant's turn opened when ``add_generation_prompt``."""
+        with the assistant's turn opened when ``add_generation_prompt``.
+
+        Control-token text inside a message (``<|im_end|>``, ``<|im_start|>``, ...) is not
+        escaped: ``encode`` matches it whole, so a message can close its turn and open another.
+        Hugging Face's ``apply_chat_template`` does the same. Remove the strings
+        ``control_tokens`` lists from text of an untrusted source before it goes into a message.
+
+        The template runs with bounds (``TEMPLATE_CHARS`` of output beyond four times the
+        messages' text, ``TEMPLATE_STEPS`` loop items, no huge repetition, power or endless
+        recursion): a template that passes one is a ``ValueError``.
+        """
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
         if not messages:
@@ -137,15 +171,39 @@ class LlamaTokenizer:
                 raise ValueError(f"message {k} must have a 'content' string, got {m!r}")
         from jinja2.exceptions import TemplateError
 
+        # The output may hold the messages a few times over, plus the template's own text; the
+        # loops' range() calls together give at most TEMPLATE_STEPS items. Both are checked as
+        # the template runs, so a hostile template stops early instead of filling memory or
+        # looping for hours.
+        limit = TEMPLATE_CHARS + 4 * sum(len(m["role"]) + len(m["content"]) for m in messages)
+        steps = [TEMPLATE_STEPS]
+
+        def bounded_range(*args: int) -> range:
+            items = range(*args)
+            steps[0] -= len(items)
+            if steps[0] < 0:
+                raise TemplateError(f"its loops ask for more than {TEMPLATE_STEPS:,} steps")
+            return items
+
+        pieces: list[str] = []
+        size = 0
         try:
-            return self._template.render(
+            for piece in self._template.generate(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
-            )
+                range=bounded_range,
+            ):
+                size += len(piece)
+                if size > limit:
+                    raise TemplateError(f"its output passed {limit:,} characters")
+                pieces.append(piece)
         except TemplateError as err:
             raise ValueError(f"the chat template refused these messages: {err}") from err
+        except RecursionError as err:
+            raise ValueError("the chat template recursed without end") from err
+        return "".join(pieces)
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> LlamaTokenizer:
