@@ -288,6 +288,126 @@ def test_greedy_generation_equals_eager(kind: str, float64_eager: None) -> None:
     assert torch.equal(tokens[NAME], tokens["eager"])
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_static_cache_generation_equals_eager(kind: str, float64_eager: None) -> None:
+    """With a static cache, generation builds the 4-D masks itself (``create_masks_for_generate``)
+    and calls ``.contiguous()`` on them before the model reads them as ready-made masks: the
+    mask attnkit builds is a tensor there (it was not, and generation failed)."""
+    model = _model("llama") if kind == "llama" else _qwen3()
+    ids, mask = _batch(True, left=True)
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    results = {}
+    for implementation in ("eager", NAME):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            results[implementation] = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                output_logits=True,
+                return_dict_in_generate=True,
+                **options,
+            )
+    ours, theirs = results[NAME], results["eager"]
+    assert torch.equal(ours.sequences, theirs.sequences)
+    gap = max(float((a - b).abs().max()) for a, b in zip(ours.logits, theirs.logits, strict=True))
+    assert gap < 1e-10
+
+
+def _qwen3():
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+        pad_token_id=0,
+    )
+    model = transformers.Qwen3ForCausalLM._from_config(config, attn_implementation="eager")
+    return model.to(torch.float64).eval()
+
+
+@pytest.mark.parametrize("bias", ["per_layer", "shared"])
+def test_beit_relative_position_bias_equals_eager(bias: str, float64_eager: None) -> None:
+    """BEiT adds its relative position bias to the mask before attention (``bias + mask``);
+    added to floating-point scores, attnkit's mask is the additive mask eager adds (a bool
+    would add 0 or 1; before, the addition failed)."""
+    config = transformers.BeitConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        image_size=16,
+        patch_size=4,
+        use_relative_position_bias=bias == "per_layer",
+        use_shared_relative_position_bias=bias == "shared",
+        initializer_range=0.3,
+    )
+    torch.manual_seed(0)
+    model = transformers.BeitModel._from_config(config, dtype=torch.float64).eval()
+    pixels = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    states = {}
+    for implementation in ("eager", NAME):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            states[implementation] = model(pixel_values=pixels).last_hidden_state
+    assert (states[NAME] - states["eager"]).abs().max() < 1e-10
+
+
+def test_paligemma_without_token_type_ids_equals_eager(float64_eager: None) -> None:
+    """PaliGemma builds the language model's mask itself and hands it on as a ready-made 4-D
+    mask (``ndim == 4``): attnkit's mask is a tensor there (before: no attribute ``ndim``)."""
+    text = dict(
+        vocab_size=120,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=8,
+        projection_dim=32,
+    )
+    config = transformers.PaliGemmaConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_index=119,
+        projection_dim=32,
+        vocab_size=120,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(0)
+    model = transformers.PaliGemmaForConditionalGeneration._from_config(config)
+    model = model.to(torch.float64).eval()
+    ids = torch.cat([torch.full((2, 4), 119), torch.randint(1, 100, (2, 7))], dim=1)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding in the second row
+    pixels = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    states = {}
+    for implementation in ("eager", NAME):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            out = model(
+                input_ids=ids, pixel_values=pixels, attention_mask=mask, output_hidden_states=True
+            )
+        states[implementation] = out.hidden_states
+    real = mask.bool()
+    for ours, theirs in zip(states[NAME], states["eager"], strict=True):
+        assert (ours - theirs)[real].abs().max() < 1e-10
+
+
 def _git():
     t = transformers
     vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4)
@@ -527,6 +647,63 @@ def test_layer_mask_equals_transformers_dense_mask(
     assert isinstance(ours, akt.LayerMask), ours
     expected = mu.sdpa_mask(**args, allow_is_causal_skip=False)
     assert torch.equal(ours.dense(), expected)
+
+
+@pytest.mark.parametrize("pattern", ["causal", "window", "bidirectional"])
+def test_layer_mask_reads_as_the_tensor_transformers_builds(pattern: str) -> None:
+    """Code between the mask function and attention sees the tensor transformers' sdpa mask
+    function builds (metadata, ``.contiguous()``, slicing, ``where``, ``clone``), and, added to
+    floating-point scores, the additive mask of transformers' eager mask function."""
+    mu = transformers.masking_utils
+    functions = {
+        "causal": (mu.causal_mask_function, None),
+        "window": (mu.sliding_window_causal_mask_function(4), 4),
+        "bidirectional": (mu.bidirectional_mask_function, None),
+    }
+    fn, local_size = functions[pattern]
+    args = dict(
+        batch_size=2,
+        q_length=3,
+        kv_length=12,
+        q_offset=9,
+        mask_function=fn,
+        attention_mask=_padding(2, 12, left=True),
+        local_size=local_size,
+    )
+    ours = akt.layer_mask(**args, allow_is_bidirectional_skip=pattern == "bidirectional")
+    sdpa = mu.sdpa_mask(**args, allow_is_causal_skip=False)
+    assert isinstance(ours, akt.LayerMask) and isinstance(ours, torch.Tensor)
+    assert (ours.shape, ours.dtype, ours.device, ours.ndim) == (
+        sdpa.shape,
+        sdpa.dtype,
+        sdpa.device,
+        sdpa.ndim,
+    )
+    assert ours.contiguous() is ours  # generation's step before a static cache's forward
+    assert torch.equal(ours[:, :, -2:], sdpa[:, :, -2:])
+    assert torch.equal(torch.where(ours, 1, 0), torch.where(sdpa, 1, 0))
+    assert torch.equal(ours.clone(), sdpa) and torch.equal(ours.to(torch.int8), sdpa.to(torch.int8))
+    scores = torch.randn(2, 4, 3, 12, dtype=torch.float64)
+    eager = mu.eager_mask(**args, dtype=torch.float64)
+    assert torch.equal(scores + ours, scores + eager) and torch.equal(ours + scores, eager + scores)
+    added = scores.clone()
+    added += ours
+    assert torch.equal(added, scores + eager)
+
+
+def test_a_layer_mask_edited_in_place_is_read_as_edited() -> None:
+    """A model that edits the mask it was given (``masked_fill_``) gets attention under the
+    edited mask, not the band it was built from."""
+    q, k, v = _qkv()
+    layout = akt.LayerMask(Band(None, 0, 0), None, (2, 1, 7, 7))
+    layout.masked_fill_(torch.arange(7) == 0, False)  # no query may see key 0 any more
+    assert layout.edited and not layout.dense()[..., 0].any()
+    out, _ = akt.attention_function()(_Layer(True), q, k, v, layout)
+    allowed = torch.ones(7, 7, dtype=torch.bool).tril() & (torch.arange(7) != 0)
+    expected = _reference(q, k, v, allowed)
+    real = allowed.any(-1)  # query 0 now sees nothing: zeros in attnkit, not compared
+    torch.testing.assert_close(out[:, real], expected[:, real], rtol=0, atol=1e-12)
+    assert not out[:, 0].any()
 
 
 def test_other_patterns_get_transformers_dense_mask() -> None:

@@ -36,15 +36,15 @@ Every keyword argument a model passes is either honoured (``scaling``, ``dropout
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_map_only
 
 import attnkit.backends  # noqa: F401  (registers the backends `attnkit:<name>` names)
 from attnkit.functional import scaled_dot_product_attention
-from attnkit.masks import Band, MaskFn, all_of, causal_fn, materialize, window_fn
+from attnkit.masks import Band, MaskFn, all_of, causal_fn, materialize, to_additive, window_fn
 from attnkit.registry import get_backend
 
 __all__ = [
@@ -140,8 +140,7 @@ def register(name: str = "attnkit", backend: str = "auto") -> str:
 # --- the mask ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, eq=False)
-class LayerMask:
+class LayerMask(Tensor):
     """One layer's mask as structure: which keys a query may see, without an ``i x j`` tensor.
 
     Local query ``q`` (row ``q`` of the query tensor) may attend local key ``k`` when ``k`` lies
@@ -152,11 +151,43 @@ class LayerMask:
 
         band = Band(left=w - 1, right=0, offset)    key k visible from q when
                                                     0 <= (q + offset) - k <= w - 1
+
+    It is also that tensor: a bool ``torch.Tensor`` of ``shape`` (``True`` = may attend), the
+    one transformers' sdpa mask function builds, so code between the mask function and
+    attention (generation's ``.contiguous()``, a model's own ``ndim == 4`` checks, slicing)
+    reads it as it reads sdpa's mask. Metadata costs nothing; any other operation runs on
+    ``dense()`` (built once) and returns plain tensors, with one exception:
+
+    * added to floating-point scores or biases (eager-style code: ``bias + attention_mask``),
+      it is the additive mask eager would have built, ``0`` where allowed and the dtype's
+      finite minimum where not, never a bool that adds 0 or 1 and masks nothing.
+
+    An in-place operation edits ``dense()``; attention then reads that tensor, not the band.
     """
 
     band: Band | None
     padding: Tensor | None
-    shape: tuple[int, int, int, int]
+    _dense: Tensor | None
+    _edited: bool
+
+    @staticmethod
+    def __new__(
+        cls, band: Band | None, padding: Tensor | None, shape: tuple[int, int, int, int]
+    ) -> LayerMask:
+        device = torch.device("cpu") if padding is None else padding.device
+        self = Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=torch.bool, device=device)
+        self.band, self.padding, self._dense, self._edited = band, padding, None, False
+        return self
+
+    def __init__(self, *args: Any) -> None:  # everything is set in __new__
+        pass
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # plain tensors out
+
+    @property
+    def edited(self) -> bool:
+        """Whether an in-place operation changed the mask: attention must read ``dense()``."""
+        return self._edited
 
     def mask_fn(self) -> MaskFn | None:
         """The mask as an attnkit mask function that declares its band (``None``: no mask)."""
@@ -171,17 +202,66 @@ class LayerMask:
         return all_of(*parts)
 
     def dense(self) -> Tensor:
-        """The equivalent bool tensor ``(b, 1, i, j)``, ``True`` = may attend."""
-        fn = self.mask_fn()
-        device = None if self.padding is None else self.padding.device
-        if fn is None:
-            return torch.ones(self.shape, dtype=torch.bool, device=device)
-        return materialize(fn, self.shape, device=device).expand(self.shape)
+        """The equivalent bool tensor ``(b, 1, i, j)``, ``True`` = may attend (built once)."""
+        if self._dense is None:
+            fn, shape = self.mask_fn(), tuple(self.shape)
+            if fn is None:
+                self._dense = torch.ones(shape, dtype=torch.bool, device=self.device)
+            else:
+                self._dense = materialize(fn, shape, device=self.device).expand(shape)
+        return self._dense
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func in _ADDITIONS:
+            args = _as_additive(args)
+        for mask in _written(func, args, kwargs):  # edited in place: attention reads the tensor
+            mask._dense = mask.dense().contiguous()
+            mask._edited = True
+        args, kwargs = tree_map_only(LayerMask, LayerMask.dense, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> LayerMask:
+        padding = None if self.padding is None else self.padding.clone()
+        copy = LayerMask(self.band, padding, tuple(self.shape))
+        if self._edited:
+            copy._dense, copy._edited = self.dense().clone(), True
+        return copy
 
     def __str__(self) -> str:
         band = "every key" if self.band is None else str(self.band)
         padded = "no padding" if self.padding is None else "key padding"
-        return f"LayerMask {self.shape}: {band}, {padded}"
+        return f"LayerMask {tuple(self.shape)}: {band}, {padded}"
+
+    __repr__ = __str__
+
+
+_aten = torch.ops.aten
+_ADDITIONS = {_aten.add.Tensor, _aten.add_.Tensor}
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[LayerMask]:
+    """The ``LayerMask`` arguments an operation writes to (``mask.masked_fill_(...)``)."""
+    if not func._schema.is_mutable:
+        return []
+    written = []
+    for k, arg in enumerate(func._schema.arguments):
+        value = args[k] if k < len(args) else kwargs.get(arg.name)
+        if isinstance(value, LayerMask) and arg.alias_info is not None and arg.alias_info.is_write:
+            written.append(value)
+    return written
+
+
+def _as_additive(args: tuple) -> tuple:
+    """``(a, b, ...)`` of an addition with a ``LayerMask`` in the additive form eager adds, when
+    the other operand is floating point (a bool or integer one keeps the bool tensor)."""
+    a, b, *rest = args
+    other = b if isinstance(a, LayerMask) else a
+    if not (isinstance(other, Tensor) and other.is_floating_point()):
+        return args
+    convert = lambda t: to_additive(t.dense(), other.dtype) if isinstance(t, LayerMask) else t  # noqa: E731
+    return (convert(a), convert(b), *rest)
 
 
 def _band_fn(band: Band | None) -> MaskFn | None:
@@ -433,7 +513,9 @@ def _attend(
     n_queries, n_keys = query.shape[-2], key.shape[-2]
     mask: Tensor | MaskFn | None = None
     causal = False
-    if isinstance(attention_mask, LayerMask):
+    if isinstance(attention_mask, LayerMask) and attention_mask.edited:
+        mask = attention_mask.dense()  # the model edited it: the tensor, not the band
+    elif isinstance(attention_mask, LayerMask):
         mask, causal = _from_layer_mask(attention_mask, sliding_window, n_queries, n_keys)
     elif isinstance(attention_mask, Tensor):
         # transformers' own masks already hold the window; sdpa and eager rely on that too.
