@@ -512,3 +512,47 @@ def test_softcap_and_sinks_are_validated_and_declined_by_torch() -> None:
         with pytest.raises(BackendUnavailable, match=f"no .*\\({word}\\)"):
             scaled_dot_product_attention(q, q, q, backend="torch", **kwargs)
         assert select_backend("auto", make_call(q, q, q, **kwargs)).name != "torch"
+
+
+def test_score_mod_is_part_of_the_call() -> None:
+    """A score modification (FlexAttention's score_mod) on the reference equals the formula
+    written out; tiled and sparse equal the reference, gradients into a captured tensor too;
+    backends without one say so by name, and auto takes one that has it."""
+    from attnkit import masks
+    from attnkit.backends import explain
+    from attnkit.registry import BackendUnavailable
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, 37, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64, requires_grad=True)
+
+    def alibi(score, b, h, i, j):
+        return score - slopes[h] * (i - j).abs()
+
+    out = scaled_dot_product_attention(q, k, v, score_mod=alibi, is_causal=True, backend="math")
+    i = torch.arange(37)
+    scores = q @ k.transpose(-1, -2) / 8**0.5 - slopes.view(3, 1, 1) * (i[:, None] - i).abs()
+    scores = scores.masked_fill(i[None, :] > i[:, None], float("-inf"))
+    want = torch.softmax(scores, -1) @ v
+    assert (out - want).abs().max() < 1e-12
+    (grad_math,) = torch.autograd.grad(out.sum(), slopes)
+    for backend, kw in (("tiled", {"is_causal": True}), ("sparse", {"mask": masks.causal_fn()})):
+        got = scaled_dot_product_attention(q, k, v, score_mod=alibi, backend=backend, **kw)
+        assert (got - want).abs().max() < 1e-12, backend
+        (grad,) = torch.autograd.grad(got.sum(), slopes)
+        assert (grad - grad_math).abs().max() < 1e-10, backend
+    for backend in ("torch", "fused", "chunked"):
+        with pytest.raises(BackendUnavailable, match=r"score_mod|score modification"):
+            scaled_dot_product_attention(q, k, v, score_mod=alibi, backend=backend)
+    e = explain(q, k, v, score_mod=alibi, is_causal=True)
+    assert e.backend in ("tiled", "math") and "score_mod" in str(e).splitlines()[0]
+    auto = scaled_dot_product_attention(q, k, v, score_mod=alibi, is_causal=True)
+    assert (auto - want).abs().max() < 1e-12
+    with pytest.raises(TypeError, match="score_mod must be a function"):
+        scaled_dot_product_attention(q, k, v, score_mod=3.0)
+    with pytest.raises(ValueError, match="score_mod takes"):
+        scaled_dot_product_attention(q[0], k[0], v[0], score_mod=alibi)
+    with pytest.raises(ValueError, match=r"score_mod must return a tensor of the score.s shape"):
+        scaled_dot_product_attention(
+            q, k, v, score_mod=lambda s, b, h, i, j: s.sum(), backend="math"
+        )

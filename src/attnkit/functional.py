@@ -38,7 +38,13 @@ from torch import Tensor
 
 from attnkit._numerics import attention_op, blocked, compute_dtype, poison
 from attnkit.masks import BiasFn, MaskFn, pad_to_rank
-from attnkit.registry import AttentionCall, get_backend, register_backend, select_backend
+from attnkit.registry import (
+    AttentionCall,
+    ScoreMod,
+    get_backend,
+    register_backend,
+    select_backend,
+)
 
 __all__ = ["attention_math", "make_call", "scaled_dot_product_attention"]
 
@@ -59,6 +65,7 @@ def scaled_dot_product_attention(
     generator: torch.Generator | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    score_mod: ScoreMod | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of ``query`` over ``key``/``value``.
 
@@ -101,6 +108,10 @@ def scaled_dot_product_attention(
             one: ``w_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))`` (the attention sinks of
             gpt-oss; Xiao et al. 2023, arXiv:2309.17453, for the phenomenon). Needs a head
             axis (inputs of 4 or more dims).
+        score_mod: ``fn(score, b, h, i, j) -> score``, FlexAttention's score modification:
+            rewrites the scaled (soft-capped, then biased) scores before masking; called on a
+            score tensor and broadcast index tensors (as mask and bias functions are), so it
+            must be elementwise; 4-D inputs only. Served by "math", "tiled" and "sparse".
 
     Returns:
         The output ``(..., h, i, dv)`` in the query's dtype, or ``(output, weights)``. Under
@@ -120,6 +131,7 @@ def scaled_dot_product_attention(
         generator=generator,
         softcap=softcap,
         sinks=sinks,
+        score_mod=score_mod,
     )
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
@@ -146,6 +158,7 @@ def make_call(
     generator: torch.Generator | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    score_mod: ScoreMod | None = None,
 ) -> AttentionCall:
     """Validate the arguments of an attention call; every problem is reported before any work."""
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -236,6 +249,15 @@ def make_call(
         raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
     if sinks is not None:
         _check_sinks(sinks, query)
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(
+            f"score_mod must be a function (score, b, h, i, j) -> score, got "
+            f"{type(score_mod).__name__}"
+        )
+    if score_mod is not None and query.ndim != 4:
+        raise ValueError(
+            f"score_mod takes (b, h, i, j) indices, so query must be 4-D; got {shapes}"
+        )
     return AttentionCall(
         query,
         key,
@@ -249,6 +271,7 @@ def make_call(
         return_weights,
         None if softcap is None else float(softcap),
         sinks,
+        score_mod,
     )
 
 
@@ -306,6 +329,24 @@ def _sink_column(sinks: Tensor, scores: Tensor, g: int) -> Tensor:
     return column.expand(*scores.shape[:-1], 1)
 
 
+def _modified(score_mod: ScoreMod, scores: Tensor, g: int) -> Tensor:
+    """``score_mod`` applied to scores ``(b, h, i, j)`` (grouped ``(b, h_kv, g, i, j)``)."""
+    flat = scores.flatten(1, 2) if g > 1 else scores  # (b, h, i, j)
+    nb, nh, ni, nj = flat.shape
+    index = [
+        torch.arange(n, device=scores.device).view([n if a == d else 1 for a in range(4)])
+        for d, n in enumerate((nb, nh, ni, nj))
+    ]
+    out = score_mod(flat, *index)
+    if not isinstance(out, Tensor) or out.shape != flat.shape:
+        got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(
+            f"score_mod must return a tensor of the score's shape {tuple(flat.shape)}, got {got}"
+        )
+    out = out.to(flat.dtype)
+    return out.unflatten(1, scores.shape[1:3]) if g > 1 else out
+
+
 def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     """The reference: every step visible, every other backend is tested against it."""
     q, k, v = call.query, call.key, call.value
@@ -329,6 +370,8 @@ def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         scores = call.softcap * torch.tanh(scores / call.softcap)
     if bias is not None:  # after the cap, so an additive -inf still blocks (Gemma 2's eager)
         scores = scores + bias
+    if call.score_mod is not None:  # FlexAttention's score_mod, on (b, h, i, j) scores
+        scores = _modified(call.score_mod, scores, g)
     visible = mask
     minus_inf = torch.isneginf(scores)  # an additive -inf blocks its key, as a mask does
     if bool(minus_inf.any()):

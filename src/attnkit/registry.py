@@ -33,6 +33,9 @@ from torch import Tensor
 
 from attnkit.masks import BiasFn, MaskFn, causal_mask, checked_bias, checked_mask, materialize
 
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+"""``score_mod(score, b, h, i, j) -> score``: a score modification (FlexAttention's)."""
+
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
     "AttentionCall",
@@ -69,7 +72,10 @@ class AttentionCall:
     to ``(..., h, i, j)`` or a mask function; ``bias`` a float tensor or a bias function.
     ``is_causal`` is aligned bottom-right. ``softcap`` caps the scores,
     ``softcap * tanh(scores / softcap)``, before masking; ``sinks`` ``(h,)`` are one logit per
-    query head that joins each row's softmax denominator without a value.
+    query head that joins each row's softmax denominator without a value. ``score_mod(score,
+    b, h, i, j) -> score`` rewrites the scaled (soft-capped, then biased) scores before masking
+    (FlexAttention's score modification), called on broadcast index tensors as mask and bias
+    functions are.
     """
 
     query: Tensor
@@ -84,6 +90,7 @@ class AttentionCall:
     return_weights: bool
     softcap: float | None = None
     sinks: Tensor | None = None
+    score_mod: ScoreMod | None = None
 
     @property
     def n_queries(self) -> int:
@@ -410,11 +417,13 @@ _RANKED_MAX = 1024
 def _signature(call: AttentionCall) -> tuple | None:
     mask, bias = call.mask, call.bias
     fns: tuple = ()
-    if callable(mask) or callable(bias):
+    if callable(mask) or callable(bias) or call.score_mod is not None:
         # A function is known by a weak reference (equal while it lives, never to a later one
         # at the same address): the same mask or bias function weighs the same.
         try:
-            fns = tuple(weakref.ref(f) if callable(f) else None for f in (mask, bias))
+            fns = tuple(
+                weakref.ref(f) if callable(f) else None for f in (mask, bias, call.score_mod)
+            )
         except TypeError:
             return None  # not weakly referable: weighed afresh each call
         mask = mask if not callable(mask) else None

@@ -77,6 +77,7 @@ def explain(
     generator: torch.Generator | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    score_mod=None,
 ) -> Explanation:
     """Which backend ``scaled_dot_product_attention(..., backend="auto")`` would take for these
     arguments (the same as its), and one sentence per candidate: why it cannot serve the
@@ -95,6 +96,7 @@ def explain(
         generator=generator,
         softcap=softcap,
         sinks=sinks,
+        score_mod=score_mod,
     )
     return explain_call(call)
 
@@ -130,6 +132,8 @@ def _summary(call: AttentionCall) -> str:
             words.append(f"{name}: {kind}")
     if call.is_causal:
         words.append("causal")
+    if call.score_mod is not None:
+        words.append("score_mod")
     if call.return_weights:
         words.append("weights returned")
     if call.dropout_p > 0:

@@ -348,6 +348,8 @@ def math_terms(work: _Work) -> Terms:
     call = work.call
     full = work.b * work.h * work.i * work.j
     ops, built, words = _dense_parts(work)
+    if call.score_mod is not None:
+        ops += full  # at least one element-op per score
     if call.is_causal:
         ops += 3 * work.i * work.j
         built += work.i * work.j
@@ -392,7 +394,7 @@ _MASK_PAIR = 2.0  # a masked pair costs about twice a biased one in tiled (calib
 
 def tiled_terms(work: _Work, *, gather: bool = False, block: int | None = None) -> Terms:
     call = work.call
-    has_bias = call.bias is not None
+    has_bias = call.bias is not None or call.score_mod is not None  # elementwise per pair
     if block is not None or gather:
         size = block or structure_of(call.mask).block or WINDOW_BLOCK
         bq, bk = size, size
@@ -412,7 +414,7 @@ def tiled_terms(work: _Work, *, gather: bool = False, block: int | None = None) 
         ops *= 2  # the backward evaluates the functions again
     pairs = visit.pairs
     relative = callable(call.bias) and structure_of(call.bias).relative
-    if relative and not gather and call.softcap is None:
+    if relative and not gather and call.softcap is None and call.score_mod is None:
         pairs -= negligible_pairs(work, visit, bq, bk)
     share = pairs / max(1, work.i * work.j)
     unit = "query blocks" if gather else "tiles"

@@ -33,6 +33,8 @@ def why_not(call: AttentionCall) -> str | None:
         return "torch's fused kernel has no logit soft-capping (softcap)"
     if call.sinks is not None:
         return "torch's fused kernel has no attention sinks (sinks)"
+    if call.score_mod is not None:
+        return "torch's fused kernel has no score modification (score_mod); 'tiled' has"
     if call.return_weights:
         return "torch's fused kernel does not return the attention weights"
     if call.dropout_p > 0.0 and call.generator is not None:

@@ -292,6 +292,8 @@ def why_not(call: AttentionCall) -> str | None:
         return "softcap: the fused kernel has no logit soft-capping; backend 'tiled' has"
     if call.sinks is not None:
         return "sinks: the fused kernel has no attention sinks; backend 'tiled' has"
+    if call.score_mod is not None:
+        return "score_mod: the fused kernel has no score modification; backend 'tiled' has"
     if q.shape[-1] == 0 or call.value.shape[-1] == 0:
         return "zero-width heads: the fused kernel needs d >= 1 and dv >= 1"
     if callable(call.bias) and torch.is_grad_enabled():

@@ -292,6 +292,7 @@ def run_call(
         gather=gather,
         softcap=call.softcap,
         sinks=call.sinks,
+        score_mod=call.score_mod,
     )
     return out.reshape(*q.shape[:-1], v.shape[-1])
 
