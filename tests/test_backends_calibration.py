@@ -61,6 +61,16 @@ def test_written_once_read_back_and_used_by_auto(machine) -> None:
     assert rates.table_for(q.device, "bfloat16") is None  # each dtype is measured on its own
 
 
+def test_a_calibration_starts_no_background_calibration(machine, monkeypatch) -> None:
+    """The calls a calibration times find no table yet; they must not start another
+    calibration beside it (two would time each other)."""
+    monkeypatch.setenv("ATTNKIT_BACKGROUND", "1")
+    monkeypatch.setattr(rates, "_STARTED", set())
+    monkeypatch.setattr(rates.subprocess, "Popen", lambda *a, **k: pytest.fail("started one"))
+    calibration.calibrate("float32", repeats=1)
+    assert rates.table_for(torch.device("cpu"), "float32") is not None
+
+
 def test_invalidated_by_another_torch_thread_count_or_fused_build(machine, monkeypatch) -> None:
     calibration.calibrate("float32", repeats=1)
     cpu = torch.device("cpu")

@@ -231,8 +231,18 @@ def calibrate(row: str = "float32", repeats: int = 2) -> rates.Table:
     built = jit.is_built()
     if built:
         backends.append("fused")
-    with torch.random.fork_rng():
-        found, eval_s = _measure(row, backends, repeats)
+    # One calibration at a time on a machine (two would time each other), and none started
+    # in the background by the calls this one makes.
+    background = os.environ.get("ATTNKIT_BACKGROUND")
+    os.environ["ATTNKIT_BACKGROUND"] = "0"
+    try:
+        with jit.file_lock(jit.cache_dir() / "calibration.lock", 900.0), torch.random.fork_rng():
+            found, eval_s = _measure(row, backends, repeats)
+    finally:
+        if background is None:
+            os.environ.pop("ATTNKIT_BACKGROUND", None)
+        else:
+            os.environ["ATTNKIT_BACKGROUND"] = background
     seconds = time.perf_counter() - start
     meta = {
         **rates.profile(row),
@@ -251,9 +261,9 @@ def _main(argv: list[str]) -> int:
     calibrate one profile; exits at once when another process is doing it."""
     row, threads = argv[0], int(argv[1])
     os.environ["ATTNKIT_BACKGROUND"] = "0"  # this process never starts another
-    with jit.file_lock(jit.cache_dir() / "calibration.lock", 0.0) as held:
+    with jit.file_lock(jit.cache_dir() / "background.lock", 0.0) as held:
         if not held:
-            return 0
+            return 0  # another background process is at it
         if jit.prerequisites() is None and not jit.is_built():
             try:
                 jit.build()
