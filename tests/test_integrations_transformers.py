@@ -444,6 +444,66 @@ def test_a_model_without_the_attention_interface_is_refused_by_name() -> None:
     akt.layer_mask(**sizes, config=transformers.T5Config())  # served: no error
 
 
+def test_a_model_that_changes_its_keys_after_the_mask_is_refused_plainly() -> None:
+    """DeepSeek-V4 appends compressed keys after the mask is built and extends the mask by
+    concatenating a float bias to it (cast to the mask's dtype: for a bool mask, blocked
+    slots would read as visible): attnkit says the model is not supported, by the interface,
+    instead of a shape error or a silently wrong mask."""
+    config = transformers.DeepseekV4Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        q_lora_rank=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        max_position_embeddings=64,
+        sliding_window=4,
+        o_groups=2,
+        o_lora_rank=8,
+        index_n_heads=2,
+        index_head_dim=8,
+        index_topk=2,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, experts_implementation="eager"
+    ).eval()
+    ids = torch.randint(1, VOCAB, (2, 9))
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids).logits).all()  # eager runs
+        model.set_attn_implementation(NAME)
+        with pytest.raises(akt.UnsupportedModel, match=r"extends attnkit's mask \(2, 1, 9, 9\)"):
+            model(input_ids=ids)
+
+
+def test_masks_for_other_keys_than_attention_got_are_refused_plainly() -> None:
+    """A mask whose keys are not attention's (extended, padded, or built before the keys
+    changed) is refused with the shapes and the reason; joining masks over the batch is not."""
+    causal = akt.LayerMask(Band(None, 0, 0), None, (2, 1, 7, 7))
+    extra = torch.zeros(2, 1, 7, 2, dtype=torch.bool)
+    for grow in (
+        lambda m: torch.cat([m, extra], dim=-1),
+        lambda m: torch.cat([m, extra], dim=3),
+        lambda m: torch.nn.functional.pad(m, (0, 2), value=False),
+    ):
+        with pytest.raises(akt.UnsupportedModel, match="along its keys"):
+            grow(causal)
+    both = torch.cat([causal, causal], dim=0)  # (4, 1, 7, 7): a plain tensor
+    assert type(both) is torch.Tensor and torch.equal(both[2:], causal.dense())
+    q, k, v = _qkv(7, 9)
+    for mask in (causal, causal.dense()):
+        with pytest.raises(akt.UnsupportedModel, match=r"_Layer is not supported.*\(2, 1, 7, 7\)"):
+            akt.attention_function()(_Layer(True), q, k, v, mask)
+
+
 def test_register_twice_is_harmless_and_returns_the_name() -> None:
     assert akt.register() == akt.register() == NAME
     assert NAME in transformers.AttentionInterface._global_mapping

@@ -156,11 +156,13 @@ class LayerMask(Tensor):
     one transformers' sdpa mask function builds, so code between the mask function and
     attention (generation's ``.contiguous()``, a model's own ``ndim == 4`` checks, slicing)
     reads it as it reads sdpa's mask. Metadata costs nothing; any other operation runs on
-    ``dense()`` (built once) and returns plain tensors, with one exception:
+    ``dense()`` (built once) and returns plain tensors, with two exceptions:
 
     * added to floating-point scores or biases (eager-style code: ``bias + attention_mask``),
       it is the additive mask eager would have built, ``0`` where allowed and the dtype's
-      finite minimum where not, never a bool that adds 0 or 1 and masks nothing.
+      finite minimum where not, never a bool that adds 0 or 1 and masks nothing;
+    * concatenated or padded along the keys, it raises ``UnsupportedModel``: the model changes
+      its keys after the mask was built, which the attention interface cannot describe.
 
     An in-place operation edits ``dense()``; attention then reads that tensor, not the band.
     """
@@ -214,6 +216,7 @@ class LayerMask(Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        _refuse_growing_keys(func, args)
         if func in _ADDITIONS:
             args = _as_additive(args)
         for mask in _written(func, args, kwargs):  # edited in place: attention reads the tensor
@@ -239,6 +242,7 @@ class LayerMask(Tensor):
 
 _aten = torch.ops.aten
 _ADDITIONS = {_aten.add.Tensor, _aten.add_.Tensor}
+_GROWS = {_aten.cat.default, _aten.constant_pad_nd.default}
 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> list[LayerMask]:
@@ -262,6 +266,29 @@ def _as_additive(args: tuple) -> tuple:
         return args
     convert = lambda t: to_additive(t.dense(), other.dtype) if isinstance(t, LayerMask) else t  # noqa: E731
     return (convert(a), convert(b), *rest)
+
+
+def _refuse_growing_keys(func: Any, args: tuple) -> None:
+    """A ``LayerMask`` concatenated or padded along its keys: the model changed its keys after
+    the mask was built (a compressed or selected KV cache); say so before anything is done."""
+    if func not in _GROWS:
+        return
+    tensors = args[0] if func is _aten.cat.default else [args[0]]
+    mask = next((t for t in tensors if isinstance(t, LayerMask)), None)
+    if mask is None:
+        return
+    if func is _aten.cat.default:
+        dim = args[1] if len(args) > 1 else 0
+        grows = dim % 4 == 3
+    else:
+        grows = any(args[1][:2])  # F.pad's (left, right) of the last axis
+    if grows:
+        raise UnsupportedModel(
+            f"the model extends attnkit's mask {tuple(mask.shape)} along its keys: it changes "
+            "its keys after the mask was built (a compressed or selected KV cache, as "
+            "DeepSeek-V4's), which transformers' attention interface does not describe, so "
+            "attnkit cannot serve this model; use attn_implementation='eager'"
+        )
 
 
 def _band_fn(band: Band | None) -> MaskFn | None:
@@ -511,6 +538,8 @@ def _attend(
         )
 
     n_queries, n_keys = query.shape[-2], key.shape[-2]
+    if isinstance(attention_mask, Tensor):
+        _check_mask_fits(module, attention_mask, n_queries, n_keys)
     mask: Tensor | MaskFn | None = None
     causal = False
     if isinstance(attention_mask, LayerMask) and attention_mask.edited:
@@ -561,11 +590,6 @@ def _from_layer_mask(
 ) -> tuple[Tensor | MaskFn | None, bool]:
     """attnkit's ``(mask, is_causal)`` for a ``LayerMask``, with a ``sliding_window`` option
     applied on top (a no-op when the mask already has that window)."""
-    if layout.shape[-2:] != (n_queries, n_keys):
-        raise ValueError(
-            f"the mask was built for {layout.shape[-2]} queries and {layout.shape[-1]} keys, "
-            f"but attention got {n_queries} and {n_keys}"
-        )
     band = layout.band
     if sliding_window is not None:
         band = _with_window(band, int(sliding_window))
@@ -577,6 +601,21 @@ def _from_layer_mask(
         # tensor, which torch's fused kernel takes.
         return padding, True
     return LayerMask(band, layout.padding, layout.shape).mask_fn(), False
+
+
+def _check_mask_fits(module: torch.nn.Module, mask: Tensor, n_queries: int, n_keys: int) -> None:
+    """A mask built for other queries or keys than attention got: the model changed them after
+    building it (DeepSeek-V4 appends compressed keys), which the interface cannot describe."""
+    shape = tuple(mask.shape)
+    if len(shape) >= 2 and shape[-2] in (1, n_queries) and shape[-1] in (1, n_keys):
+        return
+    raise UnsupportedModel(
+        f"{type(module).__name__} is not supported by attnkit through transformers' attention "
+        f"interface: its attention_mask {shape} was built for other queries or keys than "
+        f"attention got ({n_queries} queries, {n_keys} keys); the model changes its keys after "
+        "the mask is built (a compressed or selected KV cache), which the interface does not "
+        "describe. Use attn_implementation='eager' for this model"
+    )
 
 
 def _with_window(band: Band | None, window: int) -> Band:
