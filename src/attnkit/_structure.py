@@ -138,26 +138,17 @@ class Structure:
 
     def to_string(self, n_queries: int, n_keys: int, block: int = 128) -> str:
         """The tiles of an ``n_queries x n_keys`` call, ``block`` positions a side, one
-        character each: ``█`` every key visible, ``░`` partly or unknown, `` `` none (skipped)."""
-        chars = {True: "█", None: "░", False: " "}
-        lines = [f"{self}; {n_queries} x {n_keys}, tiles of {block}:"]
-        for i0 in range(0, n_queries, block):
-            i1 = min(n_queries, i0 + block)
-            row = "".join(
-                chars[self.classify(i0, i1, j0, min(n_keys, j0 + block))]
-                for j0 in range(0, n_keys, block)
-            )
-            lines.append(f"|{row}|")
-        return "\n".join(lines)
+        character each: ``█`` every key visible, ``░`` partly or unknown, `` `` none (skipped):
+        the call's ``TilePlan`` at that tile size, as the backends read it."""
+        plan = tile_plan(self, n_queries, n_keys, block, block)
+        header = f"{self}; {n_queries} x {n_keys}, tiles of {block}:"
+        return "\n".join([header, *plan.picture()])
 
     def sparsity(self, n_queries: int, n_keys: int, block: int = 128) -> float:
         """The fraction of ``block x block`` tiles skipped unevaluated (0 when none is)."""
-        states = [
-            self.classify(i0, min(n_queries, i0 + block), j0, min(n_keys, j0 + block))
-            for i0 in range(0, n_queries, block)
-            for j0 in range(0, n_keys, block)
-        ]
-        return sum(s is False for s in states) / max(1, len(states))
+        plan = tile_plan(self, n_queries, n_keys, block, block)
+        total = len(plan.rows) * -(-n_keys // block)
+        return (total - plan.tiles) / max(1, total)
 
     def __str__(self) -> str:
         words = [str(p) for p in self.parts]
@@ -382,19 +373,26 @@ class TilePlan:
             -1, 3
         )
 
-    def to_string(self) -> str:
-        """One character a tile: ``█`` all visible, ``░`` partly (evaluated), `` `` skipped."""
+    def picture(self) -> list[str]:
+        """One line a query tile, one character a key tile: ``█`` all visible, ``░`` partly
+        (evaluated), `` `` skipped."""
         n_cols = -(-self.n_keys // self.block_k)
-        lines = [
-            f"{self.n_queries} x {self.n_keys}, tiles of {self.block_q} x {self.block_k}: "
-            f"{self.tiles} of {len(self.rows) * n_cols} kept"
-        ]
+        lines = []
         for row in self.rows:
             chars = [" "] * n_cols
             for j0, _, full in row:
                 chars[j0 // self.block_k] = "█" if full else "░"
             lines.append("|" + "".join(chars) + "|")
-        return "\n".join(lines)
+        return lines
+
+    def to_string(self) -> str:
+        """A header and ``picture``."""
+        n_cols = -(-self.n_keys // self.block_k)
+        header = (
+            f"{self.n_queries} x {self.n_keys}, tiles of {self.block_q} x {self.block_k}: "
+            f"{self.tiles} of {len(self.rows) * n_cols} kept"
+        )
+        return "\n".join([header, *self.picture()])
 
 
 def _key(s: Structure) -> tuple:
