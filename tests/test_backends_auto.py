@@ -94,3 +94,23 @@ def test_bad_arguments_fail_as_the_call_would() -> None:
         explain(q, k, v, torch.ones(8, 8))
     with pytest.raises(ValueError, match="query and key must have the same last dim"):
         explain(q, k[..., :4], v)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="the cost model multiplies the jagged lengths of a nested call as ints; "
+    "scaled_dot_product_attention routes nested calls to torch before auto weighs them",
+)
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")  # torch's own
+def test_auto_takes_torch_for_nested_inputs() -> None:
+    """auto itself (select_backend, explain) on a jagged NestedTensor call: torch's kernel, the
+    one backend that takes nested inputs, with no estimate needed from the others."""
+    offsets = torch.tensor([0, 5, 14])
+    q, k, v = (
+        torch.nested.nested_tensor_from_jagged(torch.randn(14, 2, 8), offsets).transpose(1, 2)
+        for _ in range(3)
+    )  # (b, h, j, d), two sequences of 5 and 9
+    call = make_call(q, k, v)
+    assert select_backend("auto", call).name == "torch"
+    assert explain(q, k, v).backend == "torch"

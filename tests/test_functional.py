@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnkit import masks, scaled_dot_product_attention
-from attnkit.backends import BackendUnavailable, select_backend
+from attnkit.backends import BackendUnavailable, select_backend, use
 from attnkit.functional import make_call
 
 sdpa = scaled_dot_product_attention
@@ -556,3 +556,34 @@ def test_score_mod_is_part_of_the_call() -> None:
         scaled_dot_product_attention(
             q, k, v, score_mod=lambda s, b, h, i, j: s.sum(), backend="math"
         )
+
+
+def _jagged(lengths, h: int = 4, d: int = 8):
+    """q, k, v as nested (jagged) ``(b, h, j, d)`` tensors sharing their lengths, as torch's
+    nested sdpa takes them, and each one's sequences ``(h, n, d)``."""
+    g = torch.Generator().manual_seed(0)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    out = []
+    for _ in range(3):
+        values = torch.randn(int(offsets[-1]), h, d, generator=g)  # (sum n, h, d)
+        nested = torch.nested.nested_tensor_from_jagged(values, offsets).transpose(1, 2)
+        out.append((nested, [t.transpose(0, 1) for t in values.split(lengths)]))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")  # torch's own
+def test_nested_inputs_on_auto_go_to_torchs_kernel() -> None:
+    """Jagged NestedTensor batches: auto sends them to torch's kernel before weighing anything
+    (its cost model failed on the jagged lengths); each sequence equals the reference on it
+    alone. Other backends say they take no nested inputs."""
+    (q, qs), (k, ks), (v, vs) = _jagged([5, 9, 2])
+    with use("auto"):  # a forced auto as well
+        forced = sdpa(q, k, v, backend="math")
+    for out in (sdpa(q, k, v), forced):
+        assert out.is_nested
+        for got, *one in zip(out.transpose(1, 2).unbind(), qs, ks, vs, strict=True):
+            want = sdpa(*one, backend="math")  # (h, n, d)
+            torch.testing.assert_close(got.transpose(0, 1), want, atol=1e-6, rtol=1e-5)
+    for backend in ("math", "tiled", "chunked"):
+        with pytest.raises(BackendUnavailable, match=r"nested \(jagged\) inputs: only torch's"):
+            sdpa(q, k, v, backend=backend)

@@ -41,12 +41,14 @@ from attnkit.masks import BiasFn, MaskFn, pad_to_rank
 from attnkit.registry import (
     AttentionCall,
     ScoreMod,
+    forced_backend,
     get_backend,
     register_backend,
     select_backend,
+    use,
 )
 
-__all__ = ["attention_math", "make_call", "scaled_dot_product_attention"]
+__all__ = ["attention_math", "make_call", "nested_why_not", "scaled_dot_product_attention"]
 
 
 @attention_op  # under autocast: inputs in the autocast dtype, float32 statistics inside
@@ -137,7 +139,14 @@ def scaled_dot_product_attention(
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     if backend != "auto":
         get_backend(backend)  # unknown names fail here, before any work
-    output, weights = select_backend(backend, call).run(call)
+    if query.is_nested and (forced_backend() or backend) == "auto":
+        # Jagged batches: torch's kernel is the one backend that takes them, and auto's cost
+        # model sizes a call with plain ints, so they go there before auto weighs anything.
+        with use("torch"):
+            chosen = select_backend("torch", call)
+    else:
+        chosen = select_backend(backend, call)
+    output, weights = chosen.run(call)
     if return_weights:
         assert weights is not None, "a backend that serves return_weights must return weights"
         return output, weights
@@ -409,8 +418,19 @@ def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     return output.to(call.query.dtype), out_weights
 
 
+def nested_why_not(call: AttentionCall) -> str | None:
+    """Why a backend other than torch's cannot serve nested (jagged) inputs, or None."""
+    if call.query.is_nested:
+        return (
+            "nested (jagged) inputs: only torch's kernel takes them; use backend='torch' "
+            "(or 'auto', which sends them there)"
+        )
+    return None
+
+
 register_backend(
     "math",
     attention_math,
-    description="the reference: explicit scores, float32 softmax, serves every call",
+    nested_why_not,
+    description="the reference: explicit scores, float32 softmax, serves every dense call",
 )

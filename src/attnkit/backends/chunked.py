@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from attnkit.functional import attention_math
+from attnkit.functional import attention_math, nested_why_not
 from attnkit.masks import causal_offset
 from attnkit.registry import AttentionCall, register_backend
 
@@ -30,6 +30,8 @@ BUDGET = 1 << 24  # score elements per chunk
 
 
 def why_not(call: AttentionCall) -> str | None:
+    if call.query.is_nested:
+        return nested_why_not(call)
     if call.return_weights:
         return "return_weights=True: chunked attention does not keep the full weights"
     if call.dropout_p > 0.0:

@@ -13,6 +13,7 @@ from attnkit._numerics import no_autocast
 from attnkit.backends.tiled.backward import backward
 from attnkit.backends.tiled.forward import forward
 from attnkit.backends.tiled.tiles import ScoreMod, Spec, tile_sizes
+from attnkit.functional import nested_why_not
 from attnkit.masks import BiasFn, MaskFn, all_of, causal_fn, causal_offset, pad_to_rank
 from attnkit.registry import AttentionCall, register_backend
 
@@ -244,6 +245,8 @@ def _as4d(t: Tensor, ndim: int, lead: tuple[int, ...]) -> Tensor:
 
 
 def why_not(call: AttentionCall) -> str | None:
+    if call.query.is_nested:
+        return nested_why_not(call)
     if call.return_weights:
         return "return_weights=True: the tiled backend never builds the attention weights"
     if call.dropout_p > 0.0:
