@@ -110,3 +110,43 @@ def test_from_torch_refuses_integer_padding_masks() -> None:
     additive = torch.tensor([[0.0, 0.0, float("-inf")]])
     assert masks.from_torch(None, additive).flatten().tolist() == [True, True, False]
     assert masks.from_torch(None, kpm.bool()).flatten().tolist() == [True, True, False]
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: masks.causal_fn(2**63), r"offset must be an int from -2\*\*62 to 2\*\*62"),
+        (lambda: masks.causal_fn(-(2**62) - 1), r"offset must be an int from -2\*\*62"),
+        (lambda: masks.causal_fn(1.5), r"offset must be an int"),
+        (lambda: masks.causal_fn(True), r"offset must be an int"),
+        (lambda: masks.window_fn(10**30), r"left must be an int from 0 to 2\*\*62"),
+        (lambda: masks.window_fn(-1), r"left must be an int from 0 to 2\*\*62, got -1"),
+        (lambda: masks.window_fn(2, right=2**63), r"right must be an int from 0 to 2\*\*62"),
+        (lambda: masks.window_fn(2, 0, offset=2**63 - 1), r"offset must be an int from"),
+        (lambda: masks.sliding_window_mask(4, left=10**30), r"left must be an int from 0 to"),
+    ],
+)
+def test_band_sizes_and_offsets_that_would_wrap_int64_are_refused(make, match) -> None:
+    """``i + offset - j`` is int64 arithmetic: causal_fn(2**63) wrapped around, and the math
+    backend saw no key while the tiled one saw every key."""
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_the_largest_offsets_keep_their_meaning_on_every_backend() -> None:
+    """At the bound, a causal offset of 2**62 lets every query see every key and -2**62 none:
+    the same on the reference and on the backends that read the declared band."""
+    from attnkit import scaled_dot_product_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    full = scaled_dot_product_attention(q, k, v, backend="math")
+    for backend in ("math", "tiled", "sparse"):
+        everything = scaled_dot_product_attention(q, k, v, masks.causal_fn(2**62), backend=backend)
+        torch.testing.assert_close(everything, full)
+        nothing = scaled_dot_product_attention(q, k, v, masks.causal_fn(-(2**62)), backend=backend)
+        assert torch.equal(nothing, torch.zeros_like(nothing))
+        window = scaled_dot_product_attention(
+            q, k, v, masks.window_fn(2**62, 2**62), backend=backend
+        )
+        torch.testing.assert_close(window, full)

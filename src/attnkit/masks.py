@@ -112,9 +112,20 @@ def _positions(
     return i, j
 
 
+# Positions, offsets and window sizes are int64 in the index arithmetic (``i + offset - j``);
+# bounded by 2**62, a sum of two of them cannot wrap around (a wrapped offset turned a causal
+# mask into "nothing visible" on one backend and "everything" on another).
+INDEX_BOUND = 2**62
+
+
 def _check_length(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INDEX_BOUND:
+        raise ValueError(f"{name} must be an int from 0 to 2**62, got {value!r}")
+
+
+def _check_offset(value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or abs(value) > INDEX_BOUND:
+        raise ValueError(f"offset must be an int from -2**62 to 2**62, got {value!r}")
 
 
 def causal_mask(
@@ -297,6 +308,8 @@ def causal_fn(offset: int = 0) -> StructuredFn:
     (``Structure``), so block backends skip the tiles above the diagonal unevaluated.
     """
 
+    _check_offset(offset)
+
     def causal(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
         return j <= i + offset
 
@@ -305,6 +318,9 @@ def causal_fn(offset: int = 0) -> StructuredFn:
 
 def window_fn(left: int, right: int = 0, offset: int = 0) -> StructuredFn:
     """Sliding window as a function (see ``sliding_window_mask``); declares its band."""
+    _check_length("left", left)
+    _check_length("right", right)
+    _check_offset(offset)
 
     def window(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
         distance = (i + offset) - j
