@@ -26,13 +26,17 @@ from attnkit.masks import relative
 
 
 @pytest.fixture(scope="module")
-def real():
-    """The real kernel (built here once) and the folder of its verified build."""
+def real(tmp_path_factory):
+    """The real kernel (built here once) and a copy of its verified build's folder (a copy:
+    other processes may rebuild the shared cache meanwhile)."""
     try:
         module = jit.build()
     except jit.NotBuilt as reason:
         pytest.skip(f"the fused kernel cannot be built here: {reason}")
-    return module, jit.cache_dir() / f"attnkit_fused_{jit.build_key()}"
+    name = f"attnkit_fused_{jit.build_key()}"
+    copy = tmp_path_factory.mktemp("real") / name
+    shutil.copytree(jit.cache_dir() / name, copy)
+    return module, copy
 
 
 @pytest.fixture

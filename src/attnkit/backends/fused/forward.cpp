@@ -34,7 +34,6 @@ template <typename scalar_t, typename acc_t>
 void forward_kernel(const Spec<acc_t>& sp, const Tensor& q, const Tensor& k_t, const Tensor& v,
                     const Tensor& out, const Tensor& lse, const Tensor& shift, const Opt& poisoned,
                     const Opt& bad) {
-  using Vec = at::vec::Vectorized<acc_t>;
   constexpr bool packed = std::is_same_v<scalar_t, at::BFloat16>;
   constexpr int64_t step = column_step<scalar_t>();
   const int64_t g = sp.h / sp.hk, nqb = (sp.ni + sp.block_q - 1) / sp.block_q;
@@ -113,20 +112,7 @@ void forward_kernel(const Spec<acc_t>& sp, const Tensor& q, const Tensor& k_t, c
               for (int64_t e = 0; e < sp.dv; e++) poison_row[e] |= bad_key[e];
             }
           }
-          // update (softmax.py): m' = max(m, rowmax s), alpha = exp2(m - m'),
-          // p = exp2(s - m'), l = l * alpha + rowsum(p), acc = acc * alpha (+ p v_t below)
-          const acc_t m_new = nan_max(m[r], top);
-          const acc_t alpha = std::exp2(m[r] - m_new);
-          const Vec shift(m_new);
-          at::vec::map([&](Vec x) { return (x - shift).exp2(); }, s_row, s_row, cols);
-          const acc_t row_sum = at::vec::reduce_all<acc_t>(
-              [](Vec& a, Vec& b) { return a + b; }, s_row, cols);
-          l[r] = l[r] * alpha + row_sum;
-          if (alpha != acc_t(1)) {
-            acc_t* acc_row = acc.data() + r * dv_p;
-            at::vec::map([&](Vec x) { return x * Vec(alpha); }, acc_row, acc_row, dv_p);
-          }
-          m[r] = m_new;
+          update(s_row, cols, top, m[r], l[r], acc.data() + r * dv_p, dv_p);
           if constexpr (packed) as_operand(s_row, p_op.data() + r * cols_p, cols, cols_p);
         }
         // acc += p v_t
@@ -138,28 +124,10 @@ void forward_kernel(const Spec<acc_t>& sp, const Tensor& q, const Tensor& k_t, c
                  true);
         }
       }
-      // finish (softmax.py): output = acc / l, lse = (m + log2 l) * ln 2; rows that saw no key
-      // give 0 and blocked; a NaN or +inf shift makes the row NaN. The backward reads m and
-      // log2 l apart (``shift``): p = exp2((s - m) - log2 l) rounds once where s is near m,
-      // where exp2(s - lse * log2 e) would round lse three times at the size of m.
       for (int64_t r = 0; r < rows; r++) {
-        const int64_t i = i0 + r, row = (b * sp.h + h) * sp.ni + i;
-        acc_t* o = out_data + row * sp.dv;
-        const bool seen = m[r] > blocked;
-        const bool broken = std::isnan(m[r]) || m[r] == std::numeric_limits<acc_t>::infinity();
-        const acc_t l_r = std::max(l[r], acc_t(1e-30));
-        for (int64_t e = 0; e < sp.dv; e++) o[e] = seen ? acc[r * dv_p + e] / l_r : acc_t(0);
-        const acc_t log_l = seen ? std::log2(l_r) : acc_t(0);
-        acc_t lse_r = seen ? (m[r] + log_l) * static_cast<acc_t>(LN2) : blocked;
-        acc_t top = seen ? m[r] : acc_t(0);  // a row that saw no key: p = exp2(blocked) = 0
-        if (broken) {
-          lse_r = std::numeric_limits<acc_t>::quiet_NaN();
-          top = lse_r;
-          std::fill(o, o + sp.dv, lse_r);
-        }
-        lse_data[row] = lse_r;
-        top_data[row] = top;
-        log_l_data[row] = log_l;
+        const int64_t row = (b * sp.h + h) * sp.ni + i0 + r;
+        finish(m[r], l[r], acc.data() + r * dv_p, sp.dv, out_data + row * sp.dv, lse_data[row],
+               top_data[row], log_l_data[row]);
       }
     }
   });

@@ -233,6 +233,52 @@ inline acc_t logits_row(acc_t* s, int64_t n, acc_t scale2, const acc_t* rel, con
       [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s + lo, hi - lo);
 }
 
+// The online softmax of one row (tiled/softmax.py, the same names), in base 2.
+//
+// update: m' = max(m, rowmax s), alpha = exp2(m - m') (``rescaled``), p = exp2(s - m') in
+// place of s, l = l * alpha + rowsum(p), acc = acc * alpha (the caller then adds p v_t).
+template <typename acc_t>
+inline void rescaled(acc_t* acc, int64_t n, acc_t alpha) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  if (alpha != acc_t(1)) at::vec::map([&](Vec x) { return x * Vec(alpha); }, acc, acc, n);
+}
+
+template <typename acc_t>
+inline void update(acc_t* s, int64_t n, acc_t top, acc_t& m, acc_t& l, acc_t* acc, int64_t dv) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  const acc_t m_new = nan_max(m, top);
+  const acc_t alpha = std::exp2(m - m_new);
+  const Vec shift(m_new);
+  at::vec::map([&](Vec x) { return (x - shift).exp2(); }, s, s, n);
+  const acc_t row_sum =
+      at::vec::reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, s, n);
+  l = l * alpha + row_sum;
+  rescaled(acc, dv, alpha);
+  m = m_new;
+}
+
+// finish: output = acc / l, lse = (m + log2 l) * ln 2; a row that saw no key gives 0 and
+// blocked; a NaN or +inf maximum makes the row NaN. The backward reads m and log2 l apart
+// (``top``, ``log_l``): p = exp2((s - m) - log2 l) rounds once where s is near m, where
+// exp2(s - lse * log2 e) would round lse three times at the size of m.
+template <typename acc_t>
+inline void finish(acc_t m, acc_t l, const acc_t* acc, int64_t dv, acc_t* out, acc_t& lse,
+                   acc_t& top, acc_t& log_l) {
+  const acc_t blocked = std::numeric_limits<acc_t>::lowest();
+  const bool seen = m > blocked;
+  const bool broken = std::isnan(m) || m == std::numeric_limits<acc_t>::infinity();
+  const acc_t l_r = std::max(l, acc_t(1e-30));
+  for (int64_t e = 0; e < dv; e++) out[e] = seen ? acc[e] / l_r : acc_t(0);
+  log_l = seen ? std::log2(l_r) : acc_t(0);
+  lse = seen ? (m + log_l) * static_cast<acc_t>(LN2) : blocked;
+  top = seen ? m : acc_t(0);  // a row that saw no key: p = exp2(blocked) = 0
+  if (broken) {
+    lse = std::numeric_limits<acc_t>::quiet_NaN();
+    top = lse;
+    std::fill(out, out + dv, lse);
+  }
+}
+
 using Opt = std::optional<Tensor>;
 
 // The Spec of a call from the tensors and named numbers the Python side passes (api.py
