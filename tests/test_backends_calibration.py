@@ -99,8 +99,11 @@ def test_invalidated_by_another_torch_thread_count_or_fused_build(machine, monke
 
 
 def test_the_fit_recovers_known_constants() -> None:
-    """Times made from known rates by the model's own formula are fitted back to them."""
-    true = rates.Rates(call=2e-4, tile=5e-5, gflops=120.0, pair=3e-9)
+    """Times made by the model's own formula from the reference row scaled by known factors
+    (fixed costs x 3, throughput x 0.5) are fitted back to that row; a backend without a
+    reference row is fitted on all four constants."""
+    ref = rates.Rates(call=2e-4, tile=5e-5, gflops=120.0, pair=3e-9)
+    true = rates.Rates(call=6e-4, tile=1.5e-4, gflops=240.0, pair=1.5e-9)
     found = []
     for x, (tiles, pairs, extra) in enumerate(
         [(1, 256, 0), (16, 1e6, 0), (64, 8e6, 0), (40, 4e6, 4e6), (8, 2e5, 2e5), (100, 3e7, 0)]
@@ -108,10 +111,15 @@ def test_the_fit_recovers_known_constants() -> None:
         terms = cost.Terms(tiles=tiles, pairs=pairs, extra=extra, ops=1e5 * x)
         seconds = true.call + true.tile * tiles + pairs * 256 / (true.gflops * 1e9)
         seconds += true.pair * extra + 1e-9 * terms.ops
-        found.append({"backend": "b", "mode": "fwd", "terms": terms, "d": 64, "seconds": seconds})
-    got = calibration.fit(found, 1e-9)[("b", "fwd")]
+        for backend in ("b", "new"):
+            found.append(
+                {"backend": backend, "mode": "fwd", "terms": terms, "d": 64, "seconds": seconds}
+            )
+    got = calibration.fit(found, 1e-9, {("b", "fwd"): ref})
     for name in ("call", "tile", "gflops", "pair"):
-        assert getattr(got, name) == pytest.approx(getattr(true, name), rel=1e-6), name
+        for backend in ("b", "new"):
+            want = getattr(true, name)
+            assert getattr(got[(backend, "fwd")], name) == pytest.approx(want, rel=1e-6), name
 
 
 def test_calls_on_another_device_never_read_cpu_numbers(monkeypatch) -> None:

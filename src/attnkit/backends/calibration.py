@@ -3,14 +3,14 @@
 For one dtype and the current thread count, ``calibrate`` times a few small calls per backend,
 forward and forward+backward, interleaved round by round (the fastest of two rounds after a
 warm-up: other work on the machine only adds time): a decoding step (the per-call cost), one
-head of 1,024 (the per-tile cost), plain calls at three sizes and one wider
-head (the matmul rate), and calls with a bias tensor, a relative bias function, a window or a
-document mask (the per-pair extra). For each backend and pass it then fits the four constants
-of ``rates.Rates`` by non-negative least squares on relative errors, with the counts the cost
-model gives those calls (``cost.terms``), and the seconds per element-op of a mask or bias
-function from three functions evaluated on a grid. The table is written to
-``rates.calibration_path`` and used by every later process with the same profile (torch,
-attnkit, thread count, CPU class, fused build). About 10-30 s on 2 cores in float32.
+head of 1,024 (the per-tile cost), plain calls at three sizes and one wider head (the matmul
+rate), and calls with a bias tensor, a relative bias function, a window or a document mask
+(the per-pair extra). For each backend and pass it scales the reference table's row
+(``rates.reference``) by two factors, fixed costs and throughput, fitted by non-negative least
+squares on relative errors with the counts the cost model gives those calls (``cost.terms``);
+the seconds per element-op of a mask or bias function come from two functions evaluated on a
+grid. The table is written to ``rates.calibration_path`` and used by every later process with
+the same profile (torch, attnkit, thread count, CPU class, fused build).
 
     python -m attnkit.backends.calibration float32 2     # what the background process runs
     attnkit kernels calibrate                            # the same, in the foreground
@@ -192,20 +192,40 @@ def _nnls(a: list[list[float]], y: list[float]) -> list[float]:
     return best
 
 
-def fit(found: list[dict], eval_s: float) -> dict[tuple[str, str], rates.Rates]:
-    """Each backend's and pass's ``Rates``, fitted on relative errors."""
+def fit(
+    found: list[dict], eval_s: float, reference: dict[tuple[str, str], rates.Rates]
+) -> dict[tuple[str, str], rates.Rates]:
+    """Each backend's and pass's ``Rates``: the reference table's row scaled to this machine
+    by two factors fitted on relative errors (non-negative least squares), one for the fixed
+    costs (per call, per tile: Python and dispatch) and one for the throughput (FLOPs and
+    elementwise work: the cores, the vector units, the thread count). Two factors are what a
+    few small calls can pin down on a busy machine; the reference (measured at length on a quiet
+    one) keeps the balance between the four constants. A backend the reference lacks is fitted
+    on all four constants."""
     table = {}
     for backend, mode in sorted({(f["backend"], f["mode"]) for f in found}):
         rows = [f for f in found if f["backend"] == backend and f["mode"] == mode]
+        ref = reference.get((backend, mode))
         a, y = [], []
         for f in rows:
             t, measured = f["terms"], f["seconds"]
             flops = t.pairs * 2 * 2 * f["d"] / 1e9  # 2 (d + dv) flops per pair, d = dv
-            a.append([1.0 / measured, t.tiles / measured, flops / measured, t.extra / measured])
+            if ref is None:
+                a.append([1.0 / measured, t.tiles / measured, flops / measured, t.extra / measured])
+            else:
+                fixed = ref.call + ref.tile * t.tiles
+                throughput = flops / ref.gflops + ref.pair * t.extra
+                a.append([fixed / measured, throughput / measured])
             y.append((measured - eval_s * t.ops) / measured)
-        call, tile, per_gflop, pair = _nnls(a, y)
+        x = _nnls(a, y)
+        if ref is None:
+            call, tile, per_gflop, pair = x
+            gflops = 1.0 / per_gflop if per_gflop else 1e6
+            table[(backend, mode)] = rates.Rates(call, tile, gflops, pair)
+            continue
+        fixed, throughput = (v if v > 0 else max(x) or 1.0 for v in x)  # an unpinned factor
         table[(backend, mode)] = rates.Rates(
-            call, tile, 1.0 / per_gflop if per_gflop else 1e6, pair
+            ref.call * fixed, ref.tile * fixed, ref.gflops / throughput, ref.pair * throughput
         )
     return table
 
@@ -251,7 +271,8 @@ def calibrate(row: str = "float32", repeats: int = 2) -> rates.Table:
         "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "seconds": round(seconds, 1),
     }
-    table = rates.Table(fit(found, eval_s), eval_s, "", meta)
+    reference = rates.reference()[row].rows
+    table = rates.Table(fit(found, eval_s, reference), eval_s, "", meta)
     rates.write_table(table, rates.calibration_path(row))
     return table
 
