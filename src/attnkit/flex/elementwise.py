@@ -118,5 +118,4 @@ def per_element(fn: Callable[..., Tensor], *, score: bool) -> Callable[..., Tens
         return out
 
     tile.__name__ = name
-    tile.__wrapped__ = fn  # type: ignore[attr-defined]
     return tile
