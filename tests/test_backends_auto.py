@@ -96,12 +96,6 @@ def test_bad_arguments_fail_as_the_call_would() -> None:
         explain(q, k[..., :4], v)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="the cost model multiplies the jagged lengths of a nested call as ints; "
-    "scaled_dot_product_attention routes nested calls to torch before auto weighs them",
-)
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")  # torch's own
 def test_auto_takes_torch_for_nested_inputs() -> None:
     """auto itself (select_backend, explain) on a jagged NestedTensor call: torch's kernel, the

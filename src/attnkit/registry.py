@@ -70,9 +70,10 @@ class AttentionCall:
     with ``h_kv`` dividing ``h`` (grouped-query attention when they differ, for inputs of 4 or
     more dims; inputs with fewer dims have no head axis). ``mask`` is a bool tensor broadcastable
     to ``(..., h, i, j)`` or a mask function; ``bias`` a float tensor or a bias function.
-    ``is_causal`` is aligned bottom-right. ``softcap`` caps the scores,
-    ``softcap * tanh(scores / softcap)``, before masking; ``sinks`` ``(h,)`` are one logit per
-    query head that joins each row's softmax denominator without a value. ``score_mod(score,
+    ``is_causal`` is aligned bottom-right. ``softcap`` caps the scaled dot products,
+    ``softcap * tanh(scale q.k / softcap)``, before the bias is added and masks apply;
+    ``sinks`` ``(h,)`` are one logit per query head that joins each row's softmax denominator
+    without a value. ``score_mod(score,
     b, h, i, j) -> score`` rewrites the scaled (soft-capped, then biased) scores before masking
     (FlexAttention's score modification), called on broadcast index tensors as mask and bias
     functions are.
@@ -387,9 +388,15 @@ def weigh(call: AttentionCall) -> list[Verdict]:
         backend = _REGISTRY.get(name)
         if backend is None:
             continue
-        reason = backend.why_not(call)
+        if call.query.is_nested and name != "torch":  # jagged lengths: one route takes them
+            reason: str | None = "nested (jagged) inputs: auto gives them to torch's kernel"
+        else:
+            reason = backend.why_not(call)
         if reason is not None:
             refused.append(Verdict(name, reason, None))
+            continue
+        if call.query.is_nested:  # jagged lengths: nothing to count, one route
+            fits.append(Verdict(name, None, Estimate(1.0, 0, "takes nested inputs", "priority")))
             continue
         estimate = cost(call)
         if estimate.materialised > budget:
