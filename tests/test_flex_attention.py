@@ -393,3 +393,10 @@ def test_named_errors() -> None:
     lying = BlockMask.from_states(bm.block_states(), (64, 64), 32, scores)  # partial: evaluated
     with pytest.raises(TypeError, match="mask_mod 'scores' must return a bool tensor"):
         flex_attention(q, k, v, block_mask=lying)
+
+
+def test_integer_and_mixed_dtypes_are_refused_by_name() -> None:
+    q = torch.randn(1, 1, 4, 8)
+    for args in ((q.long(), q.long(), q.long()), (q, q.double(), q), (q.half(), q, q)):
+        with pytest.raises(TypeError, match="one floating-point dtype; got"):
+            flex_attention(*args)

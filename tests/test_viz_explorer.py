@@ -292,3 +292,22 @@ def test_save_html_wraps_fragments_and_keeps_documents(tmp_path: Path) -> None:
     assert save_html(page, tmp_path / "p.html").read_text(encoding="utf-8") == page
     with pytest.raises(TypeError, match="html must be a str"):
         save_html(b"<p>", tmp_path / "b.html")  # type: ignore[arg-type]
+
+
+def test_title_and_texts_are_isolated_from_the_page_s_direction() -> None:
+    """A right-to-left override (U+202E) in the title or a text turns only that text around:
+    each sits in its own <bdi> (the tab title between FSI and PDI), so it cannot reverse the
+    labels, summary and controls that follow it."""
+    rlo = "\u202e"
+    page = AttentionExplorer(
+        _attention(1, 2, 7, 7),
+        TOKENS,
+        title=f"{rlo}evil title",
+        text={f"{rlo}Prompt": f"{rlo}the text", "Generated": "fine"},
+    ).to_html()
+    assert f"<h1><bdi>{rlo}evil title</bdi></h1>" in page
+    assert f"<title>\u2068{rlo}evil title\u2069</title>" in page
+    assert f'<p class="ak-text"><bdi>{rlo}Prompt</bdi>: <q><bdi>{rlo}the text</bdi></q></p>' in page
+    # every occurrence of the override is inside an isolate
+    body = page.split("<body>", 1)[1].split("<script", 1)[0]
+    assert body.count(rlo) == len(re.findall(f"<bdi>{rlo}", body)) == 3

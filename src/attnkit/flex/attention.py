@@ -68,6 +68,11 @@ def flex_attention(
         if not isinstance(t, Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"flex_attention takes 4-D (b, h, n, d) tensors; {name} is {got}")
+    if not query.is_floating_point() or not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"flex_attention takes query, key and value of one floating-point dtype; got "
+            f"{query.dtype}, {key.dtype}, {value.dtype}"
+        )
     nb, nh, _, d = query.shape  # (b, h, i, d)
     if key.shape[:3] != value.shape[:3] or key.shape[3] != d:
         raise ValueError(

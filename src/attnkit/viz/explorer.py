@@ -241,7 +241,8 @@ class AttentionExplorer:
         )
         texts = {"Input": self.text} if isinstance(self.text, str) else dict(self.text or {})
         text = "\n".join(
-            f'<p class="ak-text">{_html.escape(str(label))}: <q>{_html.escape(str(body))}</q></p>'
+            f'<p class="ak-text"><bdi>{_html.escape(str(label))}</bdi>: '
+            f"<q><bdi>{_html.escape(str(body))}</bdi></q></p>"
             for label, body in texts.items()
         )
         return _PAGE.format(
@@ -322,7 +323,7 @@ _PAGE = """<!DOCTYPE html>
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{title}</title>
+<title>⁨{title}⁩</title>
 <style>
 {css}
 </style>
@@ -330,7 +331,7 @@ _PAGE = """<!DOCTYPE html>
 <body>
 <div class="attnkit-explorer">
 <header>
-<h1>{title}</h1>
+<h1><bdi>{title}</bdi></h1>
 {text}
 <p class="ak-summary">{summary}</p>
 <p class="ak-caveat" role="note"><strong>Note.</strong> {caveat}</p>
