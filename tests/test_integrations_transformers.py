@@ -811,3 +811,15 @@ def test_without_transformers_the_error_names_the_extra(monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now fails
     with pytest.raises(ImportError, match=r"pip install 'attnkit\[hf\]'"):
         akt.register()
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True])
+def test_a_sliding_window_that_is_not_a_positive_whole_number_is_refused_by_name(window) -> None:
+    """transformers passes the layer's sliding_window through; 0 or less used to attend
+    nothing (zeros), a float or a bool was taken as a number."""
+    from attnkit.integrations import transformers as akt
+
+    q = torch.randn(1, 2, 5, 8)
+    attend = akt.attention_function("math")
+    with pytest.raises(ValueError, match=r"sliding_window must be a whole number of keys >= 1"):
+        attend(torch.nn.Module(), q, q, q, None, sliding_window=window)

@@ -354,6 +354,11 @@ def _attend(
 ) -> tuple[Tensor, Tensor | None]:
     options = dict(kwargs)
     sliding_window = options.pop("sliding_window", None)
+    window_ok = isinstance(sliding_window, int) and not isinstance(sliding_window, bool)
+    if sliding_window is not None and not (window_ok and sliding_window >= 1):
+        raise ValueError(
+            f"sliding_window must be a whole number of keys >= 1 (or None), got {sliding_window!r}"
+        )
     softcap = options.pop("softcap", None)
     sinks = options.pop("s_aux", None)  # (h,): gpt-oss's attention sinks
     bias = options.pop("position_bias", None)  # (b or 1, h, i, j): T5's relative bias
