@@ -259,3 +259,24 @@ def test_kernels_command(real, capsys) -> None:
         main(["kernels", "calibrate", "--threads", "0"])
     assert exit_.value.code == 2
     assert "--threads: must be between 1 and 1024, got 0" in capsys.readouterr().err
+
+
+def test_building_leaves_the_build_key_as_it_was(empty_cache, monkeypatch) -> None:
+    """torch's builder appends its own link flags to the list it is given; handed the module's
+    own list, the next build_key() in the same process named another build, so a calibration
+    made right after a build recorded a key no later process matched."""
+    from torch.utils import cpp_extension
+
+    seen = []
+
+    def load(**kw):
+        kw["extra_ldflags"].append("-ltorch_cpu")  # as torch's _prepare_ldflags does
+        kw["extra_cflags"].append("-DTORCH_EXTENSION_NAME=x")
+        seen.append(kw["name"])
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    key = jit.build_key()
+    with pytest.raises(jit.NotBuilt):
+        jit.build()
+    assert seen and jit.build_key() == key

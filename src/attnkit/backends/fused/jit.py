@@ -83,7 +83,7 @@ _CAPABILITY_FLAGS = {
     ],
     "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
-LINK_FLAGS = ["-fopenmp"]
+LINK_FLAGS = ("-fopenmp",)  # a tuple: torch's builder appends to the lists it is given
 
 
 class NotBuilt(RuntimeError):
@@ -120,7 +120,7 @@ def build_key() -> str:
     for name in SOURCES:
         digest.update(name.encode())
         digest.update((HERE / name).read_bytes())
-    digest.update(" ".join(flags() + LINK_FLAGS).encode())
+    digest.update(" ".join([*flags(), *LINK_FLAGS]).encode())
     digest.update(torch.__version__.encode())
     return digest.hexdigest()[:16]
 
@@ -288,7 +288,7 @@ def _compile(name: str, folder: Path) -> ModuleType:
         name=name,
         sources=[str(HERE / s) for s in SOURCES if s.endswith(".cpp")],
         extra_cflags=flags(),
-        extra_ldflags=LINK_FLAGS,
+        extra_ldflags=list(LINK_FLAGS),  # a copy: the builder appends its own flags to it
         extra_include_paths=[str(HERE)],
         build_directory=str(folder),
         verbose=False,
@@ -318,7 +318,7 @@ def _buildfile_lock(name: str, where: Path) -> ModuleType:
     library = folder / f"{name}.so"
     _write_json(folder / RECORD, {
         "key": name, "size": library.stat().st_size, "sha256": _sha256(library),
-        "torch": torch.__version__, "flags": flags() + LINK_FLAGS,
+        "torch": torch.__version__, "flags": [*flags(), *LINK_FLAGS],
     })  # fmt: skip
     if where.exists():  # a damaged or unverified earlier build
         trash = root / f"{name}.old-{os.getpid()}"
