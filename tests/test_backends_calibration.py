@@ -100,8 +100,8 @@ def test_invalidated_by_another_torch_thread_count_or_fused_build(machine, monke
 
 def test_the_fit_recovers_known_constants() -> None:
     """Times made by the model's own formula from the reference row scaled by known factors
-    (fixed costs x 3, throughput x 0.5) are fitted back to that row; a backend without a
-    reference row is fitted on all four constants."""
+    (fixed costs x 3, throughput x 0.5) are fitted back to that row, also with one call slowed
+    fivefold by other work; a backend without a reference row is fitted on all four constants."""
     ref = rates.Rates(call=2e-4, tile=5e-5, gflops=120.0, pair=3e-9)
     true = rates.Rates(call=6e-4, tile=1.5e-4, gflops=240.0, pair=1.5e-9)
     found = []
@@ -116,6 +116,10 @@ def test_the_fit_recovers_known_constants() -> None:
                 {"backend": backend, "mode": "fwd", "terms": terms, "d": 64, "seconds": seconds}
             )
     got = calibration.fit(found, 1e-9, {("b", "fwd"): ref})
+    slowed = dict(found[-2], seconds=found[-2]["seconds"] * 5, backend="b")  # one busy round
+    busy = calibration.fit([*found, slowed], 1e-9, {("b", "fwd"): ref})[("b", "fwd")]
+    for name in ("call", "tile", "gflops", "pair"):
+        assert getattr(busy, name) == pytest.approx(getattr(true, name), rel=1e-6), name
     for name in ("call", "tile", "gflops", "pair"):
         for backend in ("b", "new"):
             want = getattr(true, name)

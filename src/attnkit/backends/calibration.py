@@ -6,8 +6,8 @@ warm-up: other work on the machine only adds time): a decoding step (the per-cal
 head of 1,024 (the per-tile cost), plain calls at three sizes and one wider head (the matmul
 rate), and calls with a bias tensor, a relative bias function, a window or a document mask
 (the per-pair extra). For each backend and pass it scales the reference table's row
-(``rates.reference``) by two factors, fixed costs and throughput, fitted by non-negative least
-squares on relative errors with the counts the cost model gives those calls (``cost.terms``);
+(``rates.reference``) by two factors, fixed costs and throughput, each a median over the calls
+it dominates, with the counts the cost model gives those calls (``cost.terms``);
 the seconds per element-op of a mask or bias function come from two functions evaluated on a
 grid. The table is written to ``rates.calibration_path`` and used by every later process with
 the same profile (torch, attnkit, thread count, CPU class, fused build).
@@ -60,11 +60,13 @@ CONFIGS = [
     ("fused", (1, 4, 2048, 2048, 64), "plain"),
     ("fused", (1, 8, 768, 768, 64), "relative"),
     ("fused", (1, 4, 1024, 1024, 64), "window"),
+    ("fused", (1, 8, 2048, 2048, 64), "wide window"),
     ("fused", (2, 8, 384, 384, 64), "document"),
     ("sparse", (1, 1, 256, 256, 64), "window"),
     ("sparse", (1, 1, 1024, 1024, 64), "window"),
     ("sparse", (2, 8, 384, 384, 64), "window"),
     ("sparse", (1, 4, 1024, 1024, 64), "window"),
+    ("sparse", (1, 8, 2048, 2048, 64), "wide window"),
     ("math", (1, 8, 1, 256, 64), "plain"),
     ("math", (2, 8, 384, 384, 64), "plain"),
     ("math", (1, 4, 768, 768, 64), "plain"),
@@ -103,6 +105,8 @@ def _kwargs(kind: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Ge
         return {"bias": _alibi(h)}
     if kind == "window":
         return {"mask": window_fn(WINDOW - 1, 0)}
+    if kind == "wide window":
+        return {"mask": window_fn(2 * WINDOW - 1, 0)}
     if kind == "document":
         return {"mask": _document(j), "is_causal": True}
     raise ValueError(f"unknown kind {kind!r}")
@@ -196,38 +200,52 @@ def fit(
     found: list[dict], eval_s: float, reference: dict[tuple[str, str], rates.Rates]
 ) -> dict[tuple[str, str], rates.Rates]:
     """Each backend's and pass's ``Rates``: the reference table's row scaled to this machine
-    by two factors fitted on relative errors (non-negative least squares), one for the fixed
-    costs (per call, per tile: Python and dispatch) and one for the throughput (FLOPs and
-    elementwise work: the cores, the vector units, the thread count). Two factors are what a
-    few small calls can pin down on a busy machine; the reference (measured at length on a quiet
-    one) keeps the balance between the four constants. A backend the reference lacks is fitted
-    on all four constants."""
+    by two factors, one for the fixed costs (per call, per tile: Python and dispatch) and one
+    for the throughput (FLOPs and elementwise work: the cores, the vector units, the thread
+    count). Each factor is a median over the calls the reference says it dominates (more than
+    half of their predicted time), so one call slowed by other work on the machine cannot
+    move it; a factor no call pins takes the other's value. The reference (measured at length
+    on a quiet machine) keeps the balance between the four constants. A backend the reference
+    lacks is fitted on all four constants by non-negative least squares."""
     table = {}
     for backend, mode in sorted({(f["backend"], f["mode"]) for f in found}):
         rows = [f for f in found if f["backend"] == backend and f["mode"] == mode]
         ref = reference.get((backend, mode))
+        parts = []  # (fixed, throughput, measured) per call, in seconds
         a, y = [], []
         for f in rows:
-            t, measured = f["terms"], f["seconds"]
+            t = f["terms"]
+            measured = max(f["seconds"] - eval_s * t.ops, 1e-9)
             flops = t.pairs * 2 * 2 * f["d"] / 1e9  # 2 (d + dv) flops per pair, d = dv
-            if ref is None:
-                a.append([1.0 / measured, t.tiles / measured, flops / measured, t.extra / measured])
-            else:
+            a.append([1.0 / measured, t.tiles / measured, flops / measured, t.extra / measured])
+            y.append(1.0)
+            if ref is not None:
                 fixed = ref.call + ref.tile * t.tiles
-                throughput = flops / ref.gflops + ref.pair * t.extra
-                a.append([fixed / measured, throughput / measured])
-            y.append((measured - eval_s * t.ops) / measured)
-        x = _nnls(a, y)
+                parts.append((fixed, flops / ref.gflops + ref.pair * t.extra, measured))
         if ref is None:
-            call, tile, per_gflop, pair = x
+            call, tile, per_gflop, pair = _nnls(a, y)
             gflops = 1.0 / per_gflop if per_gflop else 1e6
             table[(backend, mode)] = rates.Rates(call, tile, gflops, pair)
             continue
-        fixed, throughput = (v if v > 0 else max(x) or 1.0 for v in x)  # an unpinned factor
+        fixed_f, throughput_f = 0.0, 0.0
+        for _ in range(4):  # each factor net of the other's share, alternately
+            fixed = [(m - throughput_f * th) / fx for fx, th, m in parts if fx > th]
+            fixed_f = _median([x for x in fixed if x > 0]) or fixed_f
+            rest = [(m - fixed_f * fx) / th for fx, th, m in parts if th >= fx and th > 0]
+            throughput_f = _median([x for x in rest if x > 0]) or throughput_f
+        fixed_f = fixed_f or throughput_f or 1.0
+        throughput_f = throughput_f or fixed_f
         table[(backend, mode)] = rates.Rates(
-            ref.call * fixed, ref.tile * fixed, ref.gflops / throughput, ref.pair * throughput
+            ref.call * fixed_f,
+            ref.tile * fixed_f,
+            ref.gflops / throughput_f,
+            ref.pair * throughput_f,
         )
     return table
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _cpu_name() -> str:
