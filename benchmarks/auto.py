@@ -280,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for part in saved for r in part["rows"]]
         command = " and ".join(f"`{part['command']}`" for part in saved)
         calibrated = " ".join(part.get("calibrated", "") for part in saved)
-        md = render(rows, command, sum(part["elapsed"] for part in saved), args.repeats)
+        md = render(
+            rows, command, sum(part["elapsed"] for part in saved), args.repeats, args.threads
+        )
         md = md.replace("\n\n", f"\n\n{calibrated}\n\n", 1) if calibrated else md
         print(md)
         if not args.no_write:
