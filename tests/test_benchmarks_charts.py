@@ -77,8 +77,15 @@ def test_generate_table_round_trips() -> None:
 def test_hf_models_table_round_trips(tmp_path: Path) -> None:
     cell = {"seconds": 1.25, "cpu_seconds": 2.5, "peak_mib": 300.0}
     rows = [
-        {"model": "llama", "n": 2048, "load": 1.0, "attnkit": cell, "sdpa": cell, "eager": cell,
-         "floor": {"seconds": None, "cpu_seconds": None, "peak_mib": 100.0}},
+        {
+            "model": "llama",
+            "n": 2048,
+            "load": 1.0,
+            "attnkit": cell,
+            "sdpa": cell,
+            "eager": cell,
+            "floor": {"seconds": None, "cpu_seconds": None, "peak_mib": 100.0},
+        },
         {"model": "mistral", "n": 16384, "load": 1.0, "attnkit": cell, "sdpa": cell},
     ]
     args = argparse.Namespace(repeats=1, max_eager_gib=6.0)
