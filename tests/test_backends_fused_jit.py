@@ -47,14 +47,15 @@ def empty_cache(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _fake_compile(real_folder, calls: list):
+def _fake_compile(real, calls: list):
     """A ``_compile`` that copies the real library into the build folder (no compiler)."""
+    module, real_folder = real
     name = f"attnkit_fused_{jit.build_key()}"
 
     def compile_(module_name, folder):
         calls.append(folder)
         shutil.copy(real_folder / f"{name}.so", folder / f"{name}.so")
-        return sys.modules[name]
+        return module
 
     return compile_
 
@@ -142,7 +143,7 @@ def test_an_explicit_fused_call_builds_once_and_records_the_library(
     real, empty_cache, monkeypatch
 ) -> None:
     calls: list = []
-    monkeypatch.setattr(jit, "_compile", _fake_compile(real[1], calls))
+    monkeypatch.setattr(jit, "_compile", _fake_compile(real, calls))
     q = torch.randn(1, 2, 40, 8, dtype=torch.float64)
     out = scaled_dot_product_attention(q, q, q, backend="fused")
     ref = scaled_dot_product_attention(q, q, q, backend="math")
@@ -179,7 +180,7 @@ def test_a_damaged_cached_build_is_never_loaded(real, empty_cache, monkeypatch, 
     monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(empty_cache))
     monkeypatch.setattr(jit, "_MODULE", [None])
     calls: list = []
-    monkeypatch.setattr(jit, "_compile", _fake_compile(real[1], calls))
+    monkeypatch.setattr(jit, "_compile", _fake_compile(real, calls))
     jit.build()
     assert len(calls) == 1 and jit._verified(where, name) is not None
 
@@ -218,7 +219,7 @@ def test_a_killed_build_folder_is_cleared_by_the_next_build(real, empty_cache, m
     stale.mkdir()
     (stale / "lock").write_text("")  # torch's own lock file, left by a killed build
     calls: list = []
-    monkeypatch.setattr(jit, "_compile", _fake_compile(real[1], calls))
+    monkeypatch.setattr(jit, "_compile", _fake_compile(real, calls))
     jit.build()
     assert not stale.exists() and len(calls) == 1
 

@@ -327,6 +327,7 @@ def _buildfile_lock(name: str, where: Path) -> ModuleType:
     os.replace(folder, where)
     with contextlib.suppress(OSError):
         (root / f"{name}.failed").unlink()
+    sys.modules[name] = module  # as _import registers a cached build
     return module
 
 
