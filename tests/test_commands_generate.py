@@ -109,8 +109,8 @@ def test_show_attention_writes_the_generation_view(tiny_gguf, tmp_path, capsys) 
     generated = html.escape(printed.out.rstrip("\n").removeprefix("Once"))
     # The prompt and the answer under their own labels; the rows are the decoder's
     # self-attention over its own sequence, not cross-attention, though the map is not square.
-    assert '<p class="ak-text">Prompt: <q>Once</q></p>' in page
-    assert f'<p class="ak-text">Generated: <q>{generated}</q></p>' in page
+    assert '<p class="ak-text"><bdi>Prompt</bdi>: <q><bdi>Once</bdi></q></p>' in page
+    assert f'<p class="ak-text"><bdi>Generated</bdi>: <q><bdi>{generated}</bdi></q></p>' in page
     assert "Input:" not in page and "cross-attention" not in page
     assert re.search(r"5 queries × \d+ keys \(causal self-attention", page)
     assert main([*args, "--show-attention", str(tmp_path / "x.png")]) == 2

@@ -163,7 +163,7 @@ def test_cross_attention_and_lower_ranks() -> None:
 def test_texts_under_their_labels_and_the_kind_of_map_as_given() -> None:
     tokens = ["a", "b", "c"]
     page = AttentionExplorer(_attention(3, 3), tokens, text="a <b> c").to_html()
-    assert '<p class="ak-text">Input: <q>a &lt;b&gt; c</q></p>' in page
+    assert '<p class="ak-text"><bdi>Input</bdi>: <q><bdi>a &lt;b&gt; c</bdi></q></p>' in page
     assert "3 queries × 3 keys (self-attention)" in page
     # A decoder's last two rows over its whole sequence: causal self-attention, not square.
     rows = _attention(2, 5)
@@ -174,8 +174,8 @@ def test_texts_under_their_labels_and_the_kind_of_map_as_given() -> None:
         text={"Prompt": "a b c", "Generated": "d <e>"},
         kind="causal self-attention",
     ).to_html()
-    assert '<p class="ak-text">Prompt: <q>a b c</q></p>' in page
-    assert '<p class="ak-text">Generated: <q>d &lt;e&gt;</q></p>' in page
+    assert '<p class="ak-text"><bdi>Prompt</bdi>: <q><bdi>a b c</bdi></q></p>' in page
+    assert '<p class="ak-text"><bdi>Generated</bdi>: <q><bdi>d &lt;e&gt;</bdi></q></p>' in page
     assert "Input:" not in page and "cross-attention" not in page
     assert "2 queries × 5 keys (causal self-attention)" in page
     with pytest.raises(TypeError, match="text must be a str or a mapping"):
