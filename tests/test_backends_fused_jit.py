@@ -259,7 +259,7 @@ def test_kernels_command(real, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["kernels", "calibrate", "--threads", "0"])
     assert exit_.value.code == 2
-    assert "--threads: must be between 1 and 1024, got 0" in capsys.readouterr().err
+    assert "--threads: '0' is not a whole number from 1 to 1024" in capsys.readouterr().err
 
 
 def test_building_leaves_the_build_key_as_it_was(empty_cache, monkeypatch) -> None:

@@ -13,19 +13,9 @@ from __future__ import annotations
 
 import argparse
 
+from attnkit.commands.train import THREADS
+
 DTYPES = ("float32", "bfloat16")
-
-
-def _threads(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a whole number of threads, got {text!r}"
-        ) from None
-    if not 1 <= value <= 1024:
-        raise argparse.ArgumentTypeError(f"must be between 1 and 1024, got {value}")
-    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     calibrate.add_argument(
         "--threads",
-        type=_threads,
+        type=THREADS,
         default=None,
         help="measure with this many threads (default: torch's current number)",
     )
