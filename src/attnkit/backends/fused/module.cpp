@@ -37,6 +37,11 @@ bool bfloat16_packed_ok() {
   return true;
 }
 
+// The quantised matrix products (quant.cpp) and the decode attention step (decode.cpp) bind
+// their own functions.
+void bind_quant(pybind11::module_& m);
+void bind_decode(pybind11::module_& m);
+
 }  // namespace attnkit_fused
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -53,4 +58,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "whether the kernel was compiled with OpenMP (at::parallel_for runs in parallel)");
   m.def("bfloat16_packed_ok", &attnkit_fused::bfloat16_packed_ok,
         "whether bfloat16 tiles can use the packed matmul on this CPU");
+  attnkit_fused::bind_quant(m);
+  attnkit_fused::bind_decode(m);
 }
