@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: install system-deps demo test lint docs bench clean
+.PHONY: install system-deps demo test lint docs bench bench-peers clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,11 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/attention.py
+
+# Peers that benchmarks compare against and nothing else needs (never part of `make test`):
+# llama.cpp's Python binding, built from source (about 17 minutes on 2 cores).
+bench-peers: $(STAMP)
+	$(PIP) install --quiet -c constraints.txt llama-cpp-python==0.3.36 diskcache==5.6.3
 
 clean:
 	rm -rf $(VENV) build dist site .pytest_cache .import_linter_cache
