@@ -152,6 +152,7 @@ class Engine:
         self._accepting = True
         self._abort = False
         self._thread: threading.Thread | None = None
+        self._snapshot()
 
     # --- the callers' side (any thread) --------------------------------------------------------
 
@@ -272,8 +273,36 @@ class Engine:
             with self._cond:
                 self._cond.notify_all()  # stop() waits for the engine to be idle
 
+    @property
+    def accepting(self) -> bool:
+        """False once ``stop`` began: ``submit`` raises ``EngineStopped``."""
+        return self._accepting
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def step(self) -> None:
         """One iteration: retire, admit, compute one batch, sample, retire finished ones."""
+        try:
+            self._step()
+        finally:
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Gauges for other threads (``/metrics``), replaced whole after every step."""
+        free, cached = self.pool.num_free, self.cache.num_evictable
+        self.gauges = {
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "blocks_free": free,
+            "blocks_cached": cached,
+            "blocks_used": self.pool.num_blocks - free - cached,
+            "prefix_hit_tokens": self.cache.hit_tokens,
+            "prefix_evictions": self.cache.evictions,
+        }
+
+    def _step(self) -> None:
         with self._cond:
             for gen in [g for g in self.waiting if g.cancelled]:
                 self.waiting.remove(gen)

@@ -176,7 +176,7 @@ def paged_attention(
     sequence.
     """
     t, h, d = q.shape
-    n_blocks, s, h_kv, d_kv = key_pool.shape
+    _, _, h_kv, d_kv = key_pool.shape  # (N, s, h_kv, d)
     b = len(query_lengths)
     if d_kv != d or h % h_kv or value_pool.shape != key_pool.shape:
         raise ValueError(
