@@ -16,8 +16,8 @@ Each request's tokens come from the engine's thread as events, handed to the eve
 sequence is cancelled and its KV blocks return to the pool at the engine's next step.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: FastAPI reads the handlers' annotations at runtime,
+# and ``Request`` is imported inside ``create_app`` (FastAPI is an optional dependency).
 import asyncio
 import contextlib
 import json
