@@ -6,11 +6,11 @@ from __future__ import annotations
 import random
 
 import torch
-from llama_oracles import bundled as bundled  # noqa: F401  (a module-scoped fixture)
-from serve_oracles import tiny_model
 
 from attnkit.serve.forward import PagedBatch, paged_forward
 from attnkit.serve.paged import BlockPool
+from llama_oracles import bundled as bundled
+from serve_oracles import tiny_model
 
 
 def chunked_logits(model, prompts, cuts, block_size, dtype):
@@ -31,12 +31,15 @@ def chunked_logits(model, prompts, cuts, block_size, dtype):
     out = [[] for _ in prompts]
     with torch.no_grad():
         first = PagedBatch.build(
-            [p[:k] for p, k in zip(prompts, cuts)], [0] * len(prompts), tables, block_size
+            [p[:k] for p, k in zip(prompts, cuts, strict=True)],
+            [0] * len(prompts),
+            tables,
+            block_size,
         )
         logits = paged_forward(model, first, pool, all_logits=True)
         for n, rows in enumerate(logits.split(list(first.query_lengths))):
             out[n].append(rows)
-        rest = [n for n, (p, k) in enumerate(zip(prompts, cuts)) if len(p) > k]
+        rest = [n for n, (p, k) in enumerate(zip(prompts, cuts, strict=True)) if len(p) > k]
         second = PagedBatch.build(
             [prompts[n][cuts[n] :] for n in rest],
             [cuts[n] for n in rest],
@@ -44,7 +47,7 @@ def chunked_logits(model, prompts, cuts, block_size, dtype):
             block_size,
         )
         logits = paged_forward(model, second, pool, all_logits=True)
-        for n, rows in zip(rest, logits.split(list(second.query_lengths))):
+        for n, rows in zip(rest, logits.split(list(second.query_lengths)), strict=True):
             out[n].append(rows)
     return [torch.cat(rows) for rows in out]
 
