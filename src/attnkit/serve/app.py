@@ -146,6 +146,11 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
         seed = body.get("seed")
         if seed is not None and not _is_int(seed):
             raise ApiError(400, f"seed must be an integer, got {seed!r}", "seed")
+        ignore_eos = body.get("ignore_eos", False)  # vLLM's extension, for benchmarks
+        if not isinstance(ignore_eos, bool):
+            raise ApiError(
+                400, f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos"
+            )
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def on_event(token: int | None, reason: str | None) -> None:
@@ -153,7 +158,9 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
                 loop.call_soon_threadsafe(events.put_nowait, (token, reason))
 
         try:
-            gen = engine.submit(prompt, max_tokens, sampling, seed=seed, on_event=on_event)
+            gen = engine.submit(
+                prompt, max_tokens, sampling, seed=seed, ignore_eos=ignore_eos, on_event=on_event
+            )
         except QueueFull as err:
             rejected["queue_full"] += 1
             raise ApiError(429, f"the server is busy: {err}; retry later") from err
@@ -169,7 +176,7 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
     ) -> AsyncIterator[tuple[str, str | None]]:
         """``(text, None)`` as it comes, then ``("", finish_reason)``; cancels ``gen`` if the
         consumer stops early (a client gone) or a stop string ends it."""
-        text = TextStream(llm.tokenizer, stops, llm.eos_id)
+        text = TextStream(llm.tokenizer, stops, None if gen.ignore_eos else llm.eos_id)
         done = False
         try:
             while True:

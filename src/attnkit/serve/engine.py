@@ -69,6 +69,7 @@ class Generation:
     tokens: list[int]
     on_event: EventFn
     generator: torch.Generator | None = None
+    ignore_eos: bool = False  # run to max_tokens (benchmarks: every request the same length)
     computed: int = 0  # tokens whose keys are in the pool
     table: list[int] = field(default_factory=list)  # block table
     hashes: list[bytes] = field(default_factory=list)  # of the full blocks, published
@@ -163,6 +164,7 @@ class Engine:
         sampling: Sampling | None = None,
         *,
         seed: int | None = None,
+        ignore_eos: bool = False,
         on_event: EventFn | None = None,
     ) -> Generation:
         """Queue a request. Raises ``ValueError`` for a request that can never run (an empty
@@ -201,6 +203,7 @@ class Engine:
             tokens=prompt,
             on_event=on_event,
             generator=generator,
+            ignore_eos=ignore_eos,
             _events=events,
         )
         with self._cond:
@@ -338,7 +341,7 @@ class Engine:
                     self._finish(gen, reason)
 
     def _finished(self, gen: Generation) -> str | None:
-        if self.eos_id is not None and gen.tokens[-1] == self.eos_id:
+        if self.eos_id is not None and gen.tokens[-1] == self.eos_id and not gen.ignore_eos:
             return "stop"
         if len(gen.generated) >= gen.max_tokens or len(gen.tokens) >= self.max_len:
             return "length"
