@@ -4,6 +4,9 @@
 * ``tiny_llm()``: that kind of model with the bundled SmolLM2 tokenizer (its chat template, its
   end-of-sequence token), so the HTTP layer sees real text while each step stays cheap.
 * ``LiveServer``: uvicorn in a thread on a free port of 127.0.0.1, always stopped.
+* ``one_thread``: a fixture running a test on one torch thread. The serve tests run small
+  models whose every operation is tiny: a second thread only adds a barrier per operation,
+  which costs milliseconds when the machine is busy.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+import pytest
 import torch
 
 from attnkit.models.llama import LlamaConfig, LlamaModel, PretrainedLlama, bundled_model_path
@@ -66,6 +70,14 @@ def tiny_llm(max_len: int = 512) -> PretrainedLlama:
         eos_id=config.eos_id,
     )
     return PretrainedLlama(model, tokenizer)
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def free_port() -> int:

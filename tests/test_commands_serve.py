@@ -55,7 +55,7 @@ import serve_oracles
 from attnkit.commands import serve
 serve.load_model = lambda path: serve_oracles.tiny_llm()
 from attnkit.cli import main
-sys.exit(main(["serve", "--port", "{port}", "--shutdown-timeout", "20"]))
+sys.exit(main(["serve", "--port", "{port}", "--shutdown-timeout", "20", "--threads", "1"]))
 """
 
 
@@ -79,7 +79,13 @@ def test_sigterm_finishes_the_running_stream_and_exits_zero() -> None:
         started = threading.Event()
 
         def stream() -> None:
-            body = {"prompt": "Count:", "max_tokens": 40, "temperature": 0, "stream": True}
+            body = {
+                "prompt": "Count:",
+                "max_tokens": 200,
+                "stream_options": {"include_usage": True},
+                "temperature": 0,
+                "stream": True,
+            }
             with requests.post(url + "/v1/completions", json=body, stream=True, timeout=60) as r:
                 for line in r.iter_lines():
                     if line.startswith(b"data: {"):
@@ -92,7 +98,8 @@ def test_sigterm_finishes_the_running_stream_and_exits_zero() -> None:
         proc.send_signal(signal.SIGTERM)
         reader.join(60)
         assert proc.wait(60) == 0, proc.stderr.read().decode()
-        assert events[-1]["choices"][0]["finish_reason"] == "length"  # it ran to its end
+        assert events[-2]["choices"][0]["finish_reason"] == "length"  # it ran to its end
+        assert events[-1]["usage"]["completion_tokens"] == 200
         with pytest.raises(requests.ConnectionError):
             requests.get(url + "/health", timeout=1)
     finally:

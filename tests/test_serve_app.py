@@ -20,6 +20,7 @@ requests = pytest.importorskip("requests")
 from attnkit.serve.app import create_app  # noqa: E402
 from attnkit.serve.engine import Engine  # noqa: E402
 from serve_oracles import LiveServer, tiny_llm  # noqa: E402
+from serve_oracles import one_thread as one_thread  # noqa: E402
 
 NAME = "tiny-smol"
 
@@ -240,3 +241,6 @@ def test_the_pool_is_whole_after_the_run(server) -> None:
     assert m["attnkit_engine_errors_total"] == 0
     engine.cache.clear()  # the engine is idle: nothing else touches the cache now
     engine.pool.check_whole()
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")

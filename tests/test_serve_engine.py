@@ -12,6 +12,7 @@ import pytest
 from attnkit.models.llama_generate import Sampling
 from attnkit.serve.engine import Engine, EngineStopped, QueueFull
 from llama_oracles import bundled as bundled
+from serve_oracles import one_thread as one_thread
 from serve_oracles import tiny_model
 
 
@@ -177,3 +178,6 @@ def test_batched_equals_alone_with_smollm2(bundled) -> None:
     engine.run_until_idle()
     assert [g.result(0)[0] for g in gens] == expected
     whole(engine)
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from attnkit.serve.forward import PagedBatch, paged_forward
 from attnkit.serve.paged import BlockPool
 from llama_oracles import bundled as bundled
+from serve_oracles import one_thread as one_thread
 from serve_oracles import tiny_model
 
 
@@ -93,3 +95,6 @@ def test_the_paged_forward_equals_smollm2_in_float32(bundled) -> None:
         with torch.no_grad():
             expected = model(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from attnkit.serve.paged import BlockPool, PoolExhausted, paged_attention, write_kv
+from serve_oracles import one_thread as one_thread
 
 
 def dense(q, k, v):
@@ -102,3 +103,6 @@ def test_the_pool_is_whole_after_thousands_of_random_operations() -> None:
     pool.check_whole()
     with pytest.raises(ValueError, match="released twice"):
         pool.release(0)
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
