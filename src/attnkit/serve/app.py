@@ -177,14 +177,21 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
         """``(text, None)`` as it comes, then ``("", finish_reason)``; cancels ``gen`` if the
         consumer stops early (a client gone) or a stop string ends it."""
         text = TextStream(llm.tokenizer, stops, None if gen.ignore_eos else llm.eos_id)
-        done = False
+        done, loop = False, asyncio.get_running_loop()
+        checked = loop.time()
         try:
             while True:
                 try:
                     token, reason = await asyncio.wait_for(events.get(), 1.0)
                 except TimeoutError:
-                    if request is not None and await request.is_disconnected():
+                    token = reason = None
+                # A request answered at the end has no stream to fail on: ask, once a second,
+                # whether its client is still there.
+                if request is not None and loop.time() - checked >= 1.0:
+                    checked = loop.time()
+                    if await request.is_disconnected():
                         return
+                if token is None and reason is None:
                     continue
                 if token is not None:
                     piece, stopped = text.push(token)
