@@ -105,6 +105,25 @@ def test_cancelling_returns_every_block() -> None:
     whole(engine)
 
 
+def test_a_sequence_longer_than_the_whole_pool_ends_with_length() -> None:
+    engine = Engine(tiny_model(), num_blocks=4, block_size=4)  # 16 positions in all
+    gen = engine.submit(prompts_of([10])[0], 100)
+    engine.run_until_idle()
+    tokens, reason = gen.result(0)
+    assert reason == "length" and len(tokens) == 16 + 1 - 10  # keys for 16 positions, +1 sampled
+    whole(engine)
+
+
+def test_a_failing_step_ends_every_request_with_an_error(monkeypatch) -> None:
+    engine = Engine(tiny_model()).start()
+    monkeypatch.setattr(engine, "_plan", lambda: 1 / 0)
+    gens = [engine.submit([1, 2], 3) for _ in range(3)]
+    assert [g.result(30)[1] for g in gens] == ["error"] * 3
+    assert engine.counters["errors"] >= 1
+    engine.stop()
+    whole(engine)
+
+
 def test_the_pool_is_whole_after_a_thousand_requests() -> None:
     model = tiny_model(embed_dim=12, num_heads=2, num_kv_heads=1, ffn_dim=8, num_layers=1)
     rng = random.Random(7)

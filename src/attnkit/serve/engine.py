@@ -271,8 +271,10 @@ class Engine:
             except Exception:  # a bug must not leave the clients hanging: fail the batch
                 log.exception("an engine step failed; its sequences end with an error")
                 self.counters["errors"] += 1
-                for gen in list(self.running):
-                    self._finish(gen, "error")
+                with self._cond:  # the waiting too: one of them may be what fails every step
+                    for gen in [*self.running, *self.waiting]:
+                        self._finish(gen, "error")
+                    self.waiting.clear()
             with self._cond:
                 self._cond.notify_all()  # stop() waits for the engine to be idle
 
@@ -352,10 +354,15 @@ class Engine:
             while self.waiting and len(self.running) < self.max_batch:
                 gen = self.waiting[0]
                 s = self.pool.block_size
+                blocks = -(-len(gen.tokens) // s)
+                if blocks > self.pool.num_blocks:  # preempted after outgrowing the whole pool
+                    self.waiting.popleft()
+                    self._finish(gen, "length")
+                    continue
                 full = (len(gen.tokens) - 1) // s  # keep one token to compute: its logits
                 hashes = block_hashes(gen.tokens[: full * s], s)
                 matched = self.cache.match(hashes)
-                need = -(-(len(gen.tokens) + 1) // s) - len(matched)
+                need = blocks - len(matched)
                 if need > self.pool.num_free + self.cache.num_evictable:
                     for block in matched:
                         self.pool.release(block)
@@ -390,6 +397,9 @@ class Engine:
             try:
                 gen.table.append(self.cache.allocate())
             except PoolExhausted:
+                if self.running == [gen]:  # alone, and the whole pool is not enough: it ends
+                    self._finish(gen, "length")
+                    return False
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is gen:
