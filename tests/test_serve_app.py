@@ -213,6 +213,26 @@ def test_a_client_that_disconnects_mid_stream_gets_its_blocks_returned(server) -
     )
 
 
+def test_a_client_that_gives_up_on_a_whole_answer_gets_it_cancelled(llm, monkeypatch) -> None:
+    import attnkit.serve.engine as engine_module
+
+    forward = engine_module.paged_forward
+
+    def slow(*args, **kwargs):  # 20 ms a step: the answer takes seconds, the client waits 0.5 s
+        time.sleep(0.02)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "paged_forward", slow)
+    engine = Engine(llm.model, num_blocks=32, block_size=8, eos_id=llm.eos_id)
+    body = {"model": NAME, "prompt": "Hi", "max_tokens": 200, "ignore_eos": True}
+    with LiveServer(create_app(llm, engine, model_name=NAME)) as url:
+        with pytest.raises(requests.ReadTimeout):
+            requests.post(url + "/v1/completions", json=body, timeout=0.5)
+        m = settle(url)
+        assert m["attnkit_cancelled_total"] == 1 and m["attnkit_kv_blocks_used"] == 0
+        assert m["attnkit_generation_tokens_total"] < 200
+
+
 def test_a_full_queue_is_429_and_shutting_down_is_503(llm) -> None:
     engine = Engine(llm.model, num_blocks=16, block_size=8, max_waiting=0, eos_id=llm.eos_id)
     body = {"model": NAME, "prompt": "Hi", "max_tokens": 2}

@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
-    p.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks (16 positions)")
+    p.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks (default 512)")
     p.add_argument("--block-size", type=int, default=16, help="positions per KV block")
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens computed per step")
