@@ -122,6 +122,7 @@ PACKAGE_LAYERS = {
     "viz": "viz",
     "train": "train",
     "distributed": "distributed",
+    "serve": "serve",
     "tasks": "tasks",
     "commands": "cli",
 }
@@ -133,10 +134,11 @@ RANK = {
     "viz": 4,
     "train": 4,
     "distributed": 4,
+    "serve": 4,
     "tasks": 5,
     "cli": 6,
 }
-PROTECTED = {"train", "distributed", "tasks"}  # imported only by these importers:
+PROTECTED = {"train", "distributed", "tasks", "serve"}  # imported only by these importers:
 PROTECTED_IMPORTERS = {"cli", "tasks"}
 
 
