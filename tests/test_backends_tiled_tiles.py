@@ -141,15 +141,17 @@ def test_allowed_tiles_are_slices_of_the_dense_mask() -> None:
         want = want.expand(2, 4, NI, NJ)
         tiles = Tiles(Spec(1.0, spec_mask, spec_fn, q_offset=qo, k_offset=ko), q, k)
         for (i0, i1), sel in itertools.product(((0, 8), (8, 37)), (slice(0, 7), slice(30, 45))):
-            got = tiles.allowed(i0, i1, sel, None)
+            got = tiles.allowed(slice(i0, i1), sel, None)
             tile = rows(want[:, :, i0:i1, sel], 2)  # (b, h_kv, rows, bj)
             assert torch.equal(got.expand_as(tile), tile)
             idx = torch.tensor([1, 4, 40])
-            got = tiles.allowed(i0, i1, idx, None)
+            got = tiles.allowed(slice(i0, i1), idx, None)
             assert torch.equal(got.expand(2, 2, (i1 - i0) * 2, 3), rows(want[:, :, i0:i1, idx], 2))
     declared = Tiles(Spec(1.0, mask_fn=fn), q, k)
-    assert declared.allowed(0, 8, slice(0, 7), True) is None  # declared visible: not evaluated
-    assert Tiles(Spec(1.0), q, k).allowed(0, 8, slice(0, 7), None) is None
+    assert (
+        declared.allowed(slice(0, 8), slice(0, 7), True) is None
+    )  # declared visible: not evaluated
+    assert Tiles(Spec(1.0), q, k).allowed(slice(0, 8), slice(0, 7), None) is None
 
 
 def test_bias_tiles_are_slices_of_the_dense_bias() -> None:
@@ -174,9 +176,9 @@ def test_bias_tiles_are_slices_of_the_dense_bias() -> None:
         for (i0, i1), sel in itertools.product(((0, 9), (9, 37)), (slice(2, 11), slice(40, 45))):
             tile = rows(want[:, :, i0:i1, sel], 2)
             torch.testing.assert_close(
-                tiles.bias(i0, i1, sel).expand_as(tile), tile, atol=0, rtol=0
+                tiles.bias(slice(i0, i1), sel).expand_as(tile), tile, atol=0, rtol=0
             )
-    assert Tiles(Spec(1.0), q, k).bias(0, 8, slice(0, 7)) is None
+    assert Tiles(Spec(1.0), q, k).bias(slice(0, 8), slice(0, 7)) is None
 
 
 def test_tiles_of_a_relative_call_have_their_query_rows_reversed() -> None:
@@ -184,7 +186,7 @@ def test_tiles_of_a_relative_call_have_their_query_rows_reversed() -> None:
     mask = torch.rand(2, 1, NI, NJ, generator=torch.Generator().manual_seed(5)) > 0.3
     tiles = Tiles(Spec(1.0, mask=mask, bias_fn=masks.relative(_zero)), q, k)
     assert tiles.reverse
-    got = tiles.allowed(8, 16, slice(0, 9), None)
+    got = tiles.allowed(slice(8, 16), slice(0, 9), None)
     want = rows(mask[:, :, 8:16, 0:9].flip(2).expand(2, 4, 8, 9), 2)
     assert torch.equal(got.expand_as(want), want)
     block = torch.arange(2 * 8 * 2, dtype=F64).view(2, 8 * 2, 1)  # (n, rows, 1): query-major
@@ -202,7 +204,9 @@ def test_logits_are_scaled_biased_and_masked_scores_in_base_2() -> None:
     i0, i1, sel = 8, 20, slice(5, 17)
     q2 = flat(rows(q, 2))[:, i0 * 2 : i1 * 2] * (0.3 * LOG2E)  # (b * h_kv, rows, d)
     k_tt = flat(k)[:, sel].mT  # (b * h_kv, d, bj)
-    got = tiles.logits(q2, k_tt, tiles.allowed(i0, i1, sel, None), tiles.bias(i0, i1, sel))
+    got = tiles.logits(
+        q2, k_tt, tiles.allowed(slice(i0, i1), sel, None), tiles.bias(slice(i0, i1), sel)
+    )
     scores = torch.einsum("bhid,bhjd->bhij", q, k.repeat_interleave(2, 1))[:, :, i0:i1, sel]
     want = (scores * 0.3 + bias[:, :, i0:i1, sel]) * LOG2E
     want = want.masked_fill(~mask[:, :, i0:i1, sel], blocked(F64))

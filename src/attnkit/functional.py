@@ -338,22 +338,12 @@ def _sink_column(sinks: Tensor, scores: Tensor, g: int) -> Tensor:
     return column.expand(*scores.shape[:-1], 1)
 
 
-def _modified(score_mod: ScoreMod, scores: Tensor, g: int) -> Tensor:
-    """``score_mod`` applied to scores ``(b, h, i, j)`` (grouped ``(b, h_kv, g, i, j)``)."""
-    flat = scores.flatten(1, 2) if g > 1 else scores  # (b, h, i, j)
-    nb, nh, ni, nj = flat.shape
-    index = [
+def _positions(scores: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Index tensors ``b, h, i, j`` broadcastable to scores ``(b, h, i, j)``."""
+    return tuple(  # type: ignore[return-value]
         torch.arange(n, device=scores.device).view([n if a == d else 1 for a in range(4)])
-        for d, n in enumerate((nb, nh, ni, nj))
-    ]
-    out = score_mod(flat, *index)
-    if not isinstance(out, Tensor) or out.shape != flat.shape:
-        got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-        raise ValueError(
-            f"score_mod must return a tensor of the score's shape {tuple(flat.shape)}, got {got}"
-        )
-    out = out.to(flat.dtype)
-    return out.unflatten(1, scores.shape[1:3]) if g > 1 else out
+        for d, n in enumerate(scores.shape)
+    )
 
 
 def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
@@ -362,7 +352,7 @@ def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     compute = compute_dtype(q.dtype)
     g = call.groups
     mask = call.dense_mask()
-    bias = call.dense_bias(compute)
+    bias = call.dense_bias(compute)  # (..., h, i, j)-broadcastable: the tensor, or the function's
     if g > 1:
         # Grouped-query attention: each key/value head serves g query heads. Broadcasting a
         # singleton axis shares K and V between the group without copying them per head.
@@ -372,15 +362,18 @@ def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         k = k.unsqueeze(-3)  # (..., h_kv, 1, j, d)
         v = v.unsqueeze(-3)  # (..., h_kv, 1, j, dv)
         mask = None if mask is None else _grouped(mask, ndim, h_kv, g)
-        bias = None if bias is None else _grouped(bias, ndim, h_kv, g)
 
     scores = (q.to(compute) @ k.to(compute).transpose(-2, -1)) * call.scale  # (..., i, j)
-    if call.softcap is not None:  # logit soft-capping (Gemma Team 2024, Gemma 2, section 2)
-        scores = call.softcap * torch.tanh(scores / call.softcap)
-    if bias is not None:  # after the cap, so an additive -inf still blocks (Gemma 2's eager)
-        scores = scores + bias
-    if call.score_mod is not None:  # FlexAttention's score_mod, on (b, h, i, j) scores
-        scores = _modified(call.score_mod, scores, g)
+    modification = call.modification
+    if modification.parts:  # softcap, then bias, then score_mod (ScoreModification.apply)
+        # Soft-capping: Gemma Team 2024, Gemma 2, section 2. The bias comes after the cap, so
+        # an additive -inf still blocks (Gemma 2's eager attention).
+        flat = scores.flatten(-4, -3) if g > 1 else scores  # (..., h, i, j), a view
+        index = _positions(flat) if call.score_mod is not None else None
+        flat, _ = modification.apply(
+            flat, None if bias is None else pad_to_rank(bias, flat.ndim), index
+        )
+        scores = flat.unflatten(-3, scores.shape[-4:-2]) if g > 1 else flat
     visible = mask
     minus_inf = torch.isneginf(scores)  # an additive -inf blocks its key, as a mask does
     if bool(minus_inf.any()):
