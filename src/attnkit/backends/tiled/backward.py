@@ -179,9 +179,10 @@ def backward(
     offsets_l, kept_l = offsets.tolist(), kept.tolist()
     for kb in range(len(offsets_l) - 1):
         column = kept_l[offsets_l[kb] : offsets_l[kb + 1]]  # (i0, i1, full) of each query tile
-        for qs, sel, declared in tiles.query_groups(kb, column):
+        groups = tiles.query_groups(kb, column)
+        for qs, sel, declared in groups:
             if _VISITS is not None:
-                _VISITS.extend(_visited(qs, sel, column))
+                _VISITS.extend(_visited(qs, sel, column if len(groups) == 1 else None))
             allowed = tiles.allowed(qs, sel, declared)
             if allowed is not None and not bool(allowed.any()):
                 continue
@@ -244,9 +245,11 @@ def backward(
     return unrows(unflat(dq, nb), g), unflat(dk, nb), unflat(dv, nb), dbias, dsinks, dleaves
 
 
-def _visited(qs: Sel, sel: Sel, column: list[list[int]]) -> list[tuple[int, int, int, int]]:
-    """The ``(j0, j1, i0, i1)`` tiles of one group (``visits``)."""
+def _visited(qs: Sel, sel: Sel, column: list[list[int]] | None) -> list[tuple[int, int, int, int]]:
+    """The ``(j0, j1, i0, i1)`` tiles of one group (``visits``): each query tile of the
+    ``column`` when the group is all of them (gathered), else the group's own."""
     assert isinstance(sel, slice)
-    if isinstance(qs, slice):
+    if column is None:
+        assert isinstance(qs, slice)
         return [(sel.start, sel.stop, qs.start, qs.stop)]
     return [(sel.start, sel.stop, i0, i1) for i0, i1, _ in column]
