@@ -53,9 +53,9 @@ class ScoreModification:
             return None
         words = {
             "softcap": "logit soft-capping (softcap)",
-            "bias": "an additive bias tensor (bias)",
-            "bias_fn": "a bias function (bias)",
-            "score_mod": "a score modification (score_mod)",
+            "bias": "additive bias tensor (bias)",
+            "bias_fn": "bias function (bias)",
+            "score_mod": "score modification (score_mod)",
         }
         return f"{who} has no {' and no '.join(words[p] for p in missing)}; 'tiled' has"
 
