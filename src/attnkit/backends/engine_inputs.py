@@ -62,6 +62,10 @@ class EngineInputs:
         """An engine's ``(b, h, i, dv)`` output in the call's shape ``(..., h, i, dv)``."""
         return out.reshape(self.shape)
 
+    def lse(self, lse: Tensor) -> Tensor:
+        """An engine's log-sum-exp ``(b, h, i)`` in the call's shape ``(..., h, i)``."""
+        return lse.reshape(self.shape[:-1])
+
 
 def engine_inputs(call: AttentionCall) -> EngineInputs:
     """``call`` unpacked for a 4-D engine (see ``EngineInputs``)."""

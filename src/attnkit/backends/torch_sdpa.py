@@ -37,6 +37,8 @@ def why_not(call: AttentionCall) -> str | None:
         return "torch's fused kernel has no attention sinks (sinks)"
     if call.return_weights:
         return "torch's fused kernel does not return the attention weights"
+    if call.return_lse:
+        return "return_lse=True: torch's fused kernel does not return the log-sum-exp"
     if call.dropout_p > 0.0 and call.generator is not None:
         return "torch's fused kernel draws dropout from the global RNG and cannot take a generator"
     if call.groups > 1 and not _HAS_GQA:

@@ -327,11 +327,11 @@ def prepare() -> None:
 
 def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     x = engine_inputs(call)
-    out = fused_attention(
+    out, lse = fused_attention(
         x.q, x.k, x.v, scale=x.scale, mask=x.mask, mask_fn=x.mask_fn, bias=x.bias,
-        bias_fn=x.bias_fn, is_causal=x.is_causal,
+        bias_fn=x.bias_fn, is_causal=x.is_causal, return_lse=True,
     )  # fmt: skip
-    return x.output(out), None
+    return x.output(out), (x.lse(lse) if call.return_lse else None)
 
 
 register_backend(

@@ -260,21 +260,25 @@ def run_call(
     block_q: int | None = None,
     block_k: int | None = None,
     gather: bool = False,
-) -> Tensor:
-    """Serve an ``AttentionCall`` (any leading dims) with ``tiled_attention``; used by
-    ``sparse`` with its own tile sizes and ``gather``."""
+) -> tuple[Tensor, Tensor | None]:
+    """Serve an ``AttentionCall`` (any leading dims) with ``tiled_attention``: the output and,
+    when ``call.return_lse``, the log-sum-exp. Tile sizes: as given (``sparse``, with
+    ``gather``), else the call's ``block_sizes``, else the engine's."""
+    if call.block_sizes is not None:
+        block_q = call.block_sizes[0] if block_q is None else block_q
+        block_k = call.block_sizes[1] if block_k is None else block_k
     x = engine_inputs(call)
-    out = tiled_attention(
+    out, lse = tiled_attention(
         x.q, x.k, x.v, scale=x.scale, mask=x.mask, mask_fn=x.mask_fn, bias=x.bias,
         bias_fn=x.bias_fn, is_causal=x.is_causal, block_q=block_q, block_k=block_k,
         gather=gather, softcap=x.modification.softcap, sinks=x.sinks,
-        score_mod=x.modification.score_mod,
+        score_mod=x.modification.score_mod, return_lse=True,
     )  # fmt: skip
-    return x.output(out)
+    return x.output(out), (x.lse(lse) if call.return_lse else None)
 
 
 def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-    return run_call(call), None
+    return run_call(call)
 
 
 register_backend(
