@@ -164,7 +164,7 @@ class Tiles:
                 runs[-1][1] = qs.stop
             else:
                 runs.append([qs.start, qs.stop])
-        if len(runs) == 1:
+        if len(runs) == 1 and not self.reverse:  # (reversed tiles: one slice is one tile)
             return [(slice(runs[0][0], runs[0][1]), keys_sel, state)]
         device = self.b_idx.device
         idx = torch.cat([torch.arange(a, b, device=device) for a, b in runs])
