@@ -116,8 +116,10 @@ def tiled_attention(
     ``sinks`` ``(h,)`` as in ``scaled_dot_product_attention``; gradients reach ``sinks``.
 
     ``score_mod(score, b, h, i, j) -> score`` (FlexAttention's) rewrites each tile's scaled
-    (soft-capped, then biased) scores ``(b, h, bi, bj)`` before masking; gradients flow through it,
-    into the tensors it captures too. ``return_lse=True`` also returns the natural
+    (soft-capped, then biased) scores before masking, called on the tile itself in the engine's
+    layout ``(b, h_kv, bi * g, bj)`` with index tensors that say which element each score is
+    (``Tiles.index``), so it must be elementwise; gradients flow through it, into the tensors it
+    captures too. ``return_lse=True`` also returns the natural
     log-sum-exp of each row ``(b, h, i)`` (not differentiable).
     """
     if scale is None:
