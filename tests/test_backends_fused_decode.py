@@ -194,3 +194,21 @@ def test_the_kernel_checks_its_operands_before_any_work(kernel) -> None:
         kernel.decode(q, key, key, 10, 1.0, None, out)
     with pytest.raises(RuntimeError, match="key_mask must be bool"):
         kernel.decode(q, key, key, 9, 1.0, torch.ones(1, 8, dtype=torch.bool), out)
+
+
+def test_the_per_token_question_reads_no_file(kernel, monkeypatch) -> None:
+    """``loaded_only``: before this process has loaded the kernel the answer is a sentence and
+    no file is read (the layer asks per token); the full question loads a verified build."""
+    key, value = _cache(1, 1, 7, 8, torch.float32, 0)
+    q = torch.randn(1, 2, 1, 8)
+    monkeypatch.setattr(jit, "_MODULE", [None])
+    real = jit.unavailable
+    monkeypatch.setattr(jit, "unavailable", lambda: pytest.fail("a file was read"))
+    assert why_not(q, key, value, loaded_only=True) == (
+        "the fused kernel is not loaded in this process (it loads once built)"
+    )
+    monkeypatch.setattr(jit, "unavailable", real)
+    assert why_not(q, key, value) is None and jit.loaded() is not None
+    assert why_not(q, key, value, loaded_only=True) is None
+    monkeypatch.setenv("ATTNKIT_FUSED", "0")
+    assert jit.loaded() is None and "turned off" in why_not(q, key, value)

@@ -488,7 +488,7 @@ class MultiHeadAttention(nn.Module):
             and mask.shape[3] == k.shape[2]
         ):
             return "a mask other than key padding (b, 1, 1, j)"
-        return decode_why_not(q, k, v)
+        return decode_why_not(q, k, v, loaded_only=True)  # no file read per token
 
     def _per_map(self, fn: Callable[[Tensor], Tensor], x: Tensor | None) -> Tensor | None:
         """``fn`` on each head of ``x (b, h, n, d)``, or on each half of a differential head."""

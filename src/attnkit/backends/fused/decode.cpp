@@ -9,11 +9,13 @@
 //     for each (batch, query head):  merge the chunks' states, output = finish(state)
 //
 // With one query position there is no matmul to feed: a step reads every cached key and value
-// once and does two multiply-adds per value read, so it is bound by memory, and the work is
-// split along the keys (the chunks) so that even one sequence with a few key heads runs on every
-// thread. Each task serves all g = h / h_kv query heads of its key head, so a key or value row
-// is read from memory once per group (grouped-query attention, Ainslie et al. 2023). bfloat16
-// caches are read as bfloat16 and widened to float32 in registers; all arithmetic is float32.
+// once and does a few operations per value read. The work is split along the keys (the chunks)
+// so that even one sequence with a few key heads runs on every thread. Each task serves all
+// g = h / h_kv query heads of its key head, so a key or value row is read from memory once per
+// group (grouped-query attention, Ainslie et al. 2023), and the g heads' sums stay in registers
+// while a row is used. A key tile is transposed (widened to float32) once for the group, so
+// that its scores are sums of whole vectors; value rows are read as stored. bfloat16 caches
+// are widened to float32 in registers; all arithmetic is float32.
 //
 // Shape vocabulary (fused.h): b batch, h query heads, hk key/value heads, g = h / hk, j keys,
 // d head width. The online softmax is fused.h's (``logits_row``, ``update``, ``finish``).
@@ -26,13 +28,15 @@ namespace attnkit_fused {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t W = 2 * Vec::size();  // values per step along d: one bfloat16 vector
-constexpr int64_t TILE = 256;           // keys per online-softmax update (scores stay in L1)
+constexpr int64_t W = 2 * Vec::size();  // values per step along d and j: one bfloat16 vector
+constexpr int64_t TILE = 128;           // keys per online-softmax update (a tile stays in L1)
 constexpr int64_t MIN_CHUNK = 256;      // fewer keys per task: the merge costs more than it saves
 constexpr int64_t TASKS_PER_THREAD = 4;
-constexpr int64_t HEADS = 8;            // query heads whose dot products are kept in registers
+constexpr int64_t HEADS = 4;            // query heads whose sums are kept in registers at once
+constexpr int64_t SQUARE = 16;          // the transposed blocks of a key tile
 
 static_assert(at::vec::Vectorized<at::BFloat16>::size() == W, "bfloat16 vector = two floats");
+static_assert(TILE % W == 0 && TILE % SQUARE == 0 && W % SQUARE == 0, "tiles of whole blocks");
 
 // Values [0, W) of a row from p (n of them exist; zero past n) as two float vectors.
 inline std::pair<Vec, Vec> load_pair(const float* p, int64_t n) {
@@ -46,6 +50,16 @@ inline std::pair<Vec, Vec> load_pair(const at::BFloat16* p, int64_t n) {
   const BVec x = n >= W ? BVec::loadu(p) : BVec::loadu(p, n);
   auto [lo, hi] = at::vec::convert_to_float<at::BFloat16>(x);
   return {lo, hi};
+}
+
+// A cached row of d values as float32, zero-padded to d_p (a multiple of W).
+template <typename kv_t>
+inline void widen_row(const kv_t* src, int64_t d, int64_t d_p, float* dst) {
+  for (int64_t e = 0; e < d_p; e += W) {
+    auto [lo, hi] = load_pair(src + e, d - e);
+    lo.store(dst + e);
+    hi.store(dst + e + Vec::size());
+  }
 }
 
 // How many chunks each (batch, key head) pair's keys are split into: one for short caches and
@@ -66,12 +80,99 @@ struct Problem {
   int64_t mask_sb, mask_sj;
 };
 
+// One key tile of the cache in float32, transposed, k_t (d_p x TILE), so that q k_t^T is a
+// sum of whole rows (no sum across a vector's lanes); columns past n are zero.
+template <typename kv_t>
+void transposed_keys(const kv_t* k_rows, int64_t k_sj, int64_t n, int64_t d, int64_t d_p,
+                     float* k_t, float* square) {
+  const int64_t n_p = (n + W - 1) / W * W;
+  for (int64_t c0 = 0; c0 < n_p; c0 += SQUARE) {
+    for (int64_t c = c0; c < c0 + SQUARE; c++) {
+      float* row = square + (c - c0) * d_p;
+      if (c < n) {
+        widen_row(k_rows + c * k_sj, d, d_p, row);
+      } else {
+        std::fill(row, row + d_p, 0.0f);
+      }
+    }
+    for (int64_t e0 = 0; e0 < d_p; e0 += SQUARE) {
+      at::vec::transpose_mxn<float, SQUARE, SQUARE>(square + e0, d_p, k_t + e0 * TILE + c0, TILE);
+    }
+  }
+}
+
+// s[r][c] = q_r . k_c for R query heads and the keys [0, n_p): each key vector is loaded once
+// for the R heads, whose sums stay in registers (two vectors of keys per head).
+template <int R>
+inline void scores(const float* q_rows, int64_t d, int64_t d_p, const float* k_t, int64_t n_p,
+                   float* s) {
+  for (int64_t c = 0; c < n_p; c += W) {
+    Vec lo[R], hi[R];
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = Vec(0.0f);
+    for (int64_t e = 0; e < d; e++) {
+      const Vec k0 = Vec::loadu(k_t + e * TILE + c), k1 = Vec::loadu(k_t + e * TILE + c + Vec::size());
+      for (int r = 0; r < R; r++) {
+        const Vec q(q_rows[r * d_p + e]);
+        lo[r] = at::vec::fmadd(q, k0, lo[r]);
+        hi[r] = at::vec::fmadd(q, k1, hi[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      lo[r].store(s + r * TILE + c);
+      hi[r].store(s + r * TILE + c + Vec::size());
+    }
+  }
+}
+
+// acc_r += sum_c p[r][c] v_c for R query heads, the value rows read from the cache as stored
+// (bfloat16 widened in registers): each value vector is loaded once for the R heads, whose sums
+// stay in registers (two vectors of d per head). A masked key is skipped, not weighted by 0: a
+// NaN there must not reach the output (0 * NaN is NaN).
+template <int R, typename kv_t>
+inline void add_values(const float* p, const kv_t* v_rows, int64_t v_sj, int64_t n, int64_t d,
+                       int64_t d_p, const bool* mask, int64_t mask_sj, float* acc) {
+  for (int64_t e = 0; e < d_p; e += W) {
+    Vec lo[R], hi[R];
+    for (int r = 0; r < R; r++) {
+      lo[r] = Vec::loadu(acc + r * d_p + e);
+      hi[r] = Vec::loadu(acc + r * d_p + e + Vec::size());
+    }
+    for (int64_t c = 0; c < n; c++) {
+      if (mask != nullptr && !mask[c * mask_sj]) continue;
+      auto [v0, v1] = load_pair(v_rows + c * v_sj + e, d - e);
+      for (int r = 0; r < R; r++) {
+        const Vec w(p[r * TILE + c]);
+        lo[r] = at::vec::fmadd(w, v0, lo[r]);
+        hi[r] = at::vec::fmadd(w, v1, hi[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      lo[r].store(acc + r * d_p + e);
+      hi[r].store(acc + r * d_p + e + Vec::size());
+    }
+  }
+}
+
+// Heads [0, g) in blocks of up to HEADS: fn<R>(first head of the block).
+template <typename Fn>
+inline void by_heads(int64_t g, Fn&& fn) {
+  int64_t r0 = 0;
+  for (; r0 + HEADS <= g; r0 += HEADS) fn(std::integral_constant<int, HEADS>{}, r0);
+  switch (g - r0) {
+    case 1: fn(std::integral_constant<int, 1>{}, r0); break;
+    case 2: fn(std::integral_constant<int, 2>{}, r0); break;
+    case 3: fn(std::integral_constant<int, 3>{}, r0); break;
+    default: break;
+  }
+}
+static_assert(HEADS == 4, "by_heads handles remainders of up to 3 heads");
+
 // One task: query heads [hk * g, (hk + 1) * g) of batch row b against keys [j0, j1). Leaves the
 // unnormalised state in m (g), l (g), acc (g x d_p).
 template <typename kv_t>
 void chunk_state(const Problem& pr, const kv_t* k_head, int64_t k_sj, const kv_t* v_head,
                  int64_t v_sj, int64_t b, int64_t hk, int64_t j0, int64_t j1, float* m, float* l,
-                 float* acc, float* q_rows, float* s) {
+                 float* acc, float* q_rows, float* s, float* k_t, float* square) {
   const int64_t g = pr.g, d = pr.d, d_p = pr.d_p;
   for (int64_t r = 0; r < g; r++) {  // the group's queries, zero-padded to d_p
     const float* src = pr.q + b * pr.q_sb + (hk * g + r) * pr.q_sh;
@@ -84,51 +185,25 @@ void chunk_state(const Problem& pr, const kv_t* k_head, int64_t k_sj, const kv_t
   std::fill(acc, acc + g * d_p, 0.0f);
   const bool* mask = pr.mask == nullptr ? nullptr : pr.mask + b * pr.mask_sb;
   for (int64_t t0 = j0; t0 < j1; t0 += TILE) {
-    const int64_t n = std::min(TILE, j1 - t0);
-    // s = q k_t^T: each key row is loaded once and multiplied by every query of the group
-    for (int64_t r0 = 0; r0 < g; r0 += HEADS) {
-      const int64_t rn = std::min(HEADS, g - r0);
-      for (int64_t c = 0; c < n; c++) {
-        const kv_t* key = k_head + (t0 + c) * k_sj;
-        Vec dot[HEADS];
-        for (int64_t r = 0; r < rn; r++) dot[r] = Vec(0.0f);
-        for (int64_t e = 0; e < d; e += W) {
-          auto [k0, k1] = load_pair(key + e, d - e);
-          for (int64_t r = 0; r < rn; r++) {
-            const float* qr = q_rows + (r0 + r) * d_p + e;
-            dot[r] = at::vec::fmadd(Vec::loadu(qr), k0, dot[r]);
-            dot[r] = at::vec::fmadd(Vec::loadu(qr + Vec::size()), k1, dot[r]);
-          }
-        }
-        for (int64_t r = 0; r < rn; r++) {
-          s[(r0 + r) * TILE + c] = at::vec::vec_reduce_all<float>(
-              [](Vec& a, Vec& b) { return a + b; }, dot[r]);
-        }
-      }
-    }
-    // the logits and the online softmax, one query head at a time (fused.h)
+    const int64_t n = std::min(TILE, j1 - t0), n_p = (n + W - 1) / W * W;
     const bool* tile_mask = mask == nullptr ? nullptr : mask + t0 * pr.mask_sj;
+    transposed_keys(k_head + t0 * k_sj, k_sj, n, d, d_p, k_t, square);
+    // s = q k_t^T, every query head of the group against the tile
+    by_heads(g, [&](auto R, int64_t r0) {
+      scores<R>(q_rows + r0 * d_p, d, d_p, k_t, n_p, s + r0 * TILE);
+    });
+    // the logits and the online softmax, one query head at a time (fused.h)
     for (int64_t r = 0; r < g; r++) {
       float* s_row = s + r * TILE;
       const float top = logits_row<float>(s_row, n, pr.scale2, nullptr, nullptr, 0, tile_mask,
                                           pr.mask_sj, 0, n);
       update<float>(s_row, n, top, m[r], l[r], acc + r * d_p, d_p);
     }
-    // acc += p v_t: each value row is loaded once and added to every query head of the group.
-    // A masked key is skipped, not weighted by 0: a NaN there must not reach the output.
-    for (int64_t c = 0; c < n; c++) {
-      if (tile_mask != nullptr && !tile_mask[c * pr.mask_sj]) continue;
-      const kv_t* value = v_head + (t0 + c) * v_sj;
-      for (int64_t e = 0; e < d; e += W) {
-        auto [v0, v1] = load_pair(value + e, d - e);
-        for (int64_t r = 0; r < g; r++) {
-          const Vec p(s[r * TILE + c]);
-          float* a = acc + r * d_p + e;
-          at::vec::fmadd(p, v0, Vec::loadu(a)).store(a);
-          at::vec::fmadd(p, v1, Vec::loadu(a + Vec::size())).store(a + Vec::size());
-        }
-      }
-    }
+    // acc += p v_t
+    by_heads(g, [&](auto R, int64_t r0) {
+      add_values<R>(s + r0 * TILE, v_head + t0 * v_sj, v_sj, n, d, d_p, tile_mask, pr.mask_sj,
+                    acc + r0 * d_p);
+    });
   }
 }
 
@@ -145,6 +220,7 @@ void decode_kernel(const Problem& pr, const Tensor& key, const Tensor& value, fl
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     note_thread();
     std::vector<float> q_rows(g * d_p), s(g * TILE), m(g), l(g), acc(g * d_p);
+    std::vector<float> k_t(d_p * TILE), square(SQUARE * d_p);
     for (int64_t task = begin; task < end; task++) {
       const int64_t b = task / (pr.hk * pr.chunks), hk = (task / pr.chunks) % pr.hk;
       const int64_t c = task % pr.chunks;
@@ -156,7 +232,7 @@ void decode_kernel(const Problem& pr, const Tensor& key, const Tensor& value, fl
       float* tl = split ? part_l.data() + task * g : l.data();
       float* ta = split ? part_acc.data() + task * g * d_p : acc.data();
       chunk_state<kv_t>(pr, k_head, key.stride(2), v_head, value.stride(2), b, hk, j0, j1, tm,
-                        tl, ta, q_rows.data(), s.data());
+                        tl, ta, q_rows.data(), s.data(), k_t.data(), square.data());
       if (split) continue;
       for (int64_t r = 0; r < g; r++) {
         float lse, top, log_l;

@@ -76,8 +76,13 @@ def _check(q: Tensor, key: Tensor, value: Tensor, length: int, key_mask: Tensor 
         )
 
 
-def why_not(q: Tensor, key: Tensor, value: Tensor) -> str | None:
-    """Why the kernel cannot serve this step, in a sentence, or None (never compiles)."""
+def why_not(q: Tensor, key: Tensor, value: Tensor, *, loaded_only: bool = False) -> str | None:
+    """Why the kernel cannot serve this step, in a sentence, or None (never compiles).
+
+    ``loaded_only``: count the kernel only if this process has loaded it already
+    (``jit.loaded``), reading no file: the layer asks once per token and layer, where
+    ``jit.unavailable`` (which hashes the sources to find the build) would cost more than the
+    step itself."""
     if q.device.type != "cpu" or key.device.type != "cpu" or value.device.type != "cpu":
         return "the decode kernel runs on the CPU only"
     if q.dtype != torch.float32:
@@ -88,6 +93,10 @@ def why_not(q: Tensor, key: Tensor, value: Tensor) -> str | None:
         return "the decode kernel reads keys and values contiguous in d"
     if torch.is_grad_enabled() and (q.requires_grad or key.requires_grad or value.requires_grad):
         return "the decode kernel has no backward (a tensor requires grad)"
+    if jit.loaded() is not None:
+        return None
+    if loaded_only:
+        return "the fused kernel is not loaded in this process (it loads once built)"
     return jit.unavailable()
 
 
@@ -142,5 +151,6 @@ def decode_attention(
     b, h, _, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out = q.new_empty(b, h, d)
-    jit.load().decode(q[:, :, 0].contiguous(), key, value, length, scale, key_mask, out)
+    kernel = jit.loaded() or jit.load()  # loaded by why_not when it said None
+    kernel.decode(q[:, :, 0].contiguous(), key, value, length, scale, key_mask, out)
     return out.unsqueeze(2)  # (b, h, 1, d)
