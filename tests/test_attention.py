@@ -325,16 +325,16 @@ def decode_kernel():
 
 def _spy_decode(monkeypatch) -> list[int]:
     """Count the calls that take the compiled decode step."""
-    import attnkit.attention as attention_module
+    from attnkit.backends.fused import decode
 
     calls: list[int] = []
-    real = attention_module.decode_attention
+    real = decode.decode_attention
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(attention_module, "decode_attention", spy)
+    monkeypatch.setattr(decode, "decode_attention", spy)
     return calls
 
 
@@ -381,7 +381,7 @@ def test_the_layer_says_why_a_call_does_not_take_the_decode_step(decode_kernel) 
         return mha._why_not_decode(q, k, v, **{**args, **kw})
 
     assert why() is None
-    assert why(need_weights=True) == "the weights were asked for"
+    assert why(need_weights=True) == "the weights or a bias were asked for"
     assert why(cache=None) == "no self-attention KV cache"
     assert why(mask=lambda b, h, i, j: j >= 0) == "a mask other than key padding (b, 1, 1, j)"
     assert why(mask=torch.ones(1, 1, 1, 3, dtype=torch.bool)).startswith("a mask other")

@@ -39,8 +39,7 @@ from torch import Tensor, nn
 
 import attnkit.backends  # noqa: F401  (registers the backends a module's `backend=` names)
 from attnkit._numerics import autocast_dtype, no_autocast, to_autocast
-from attnkit.backends.fused.decode import KV_DTYPES, decode_attention
-from attnkit.backends.fused.decode import why_not as decode_why_not
+from attnkit.backends.fused import decode
 from attnkit.functional import scaled_dot_product_attention
 from attnkit.masks import BiasFn, MaskFn
 from attnkit.variants import (
@@ -81,12 +80,10 @@ class KVCache:
     concatenates. The cache remembers ``b``, ``h_kv`` and ``d`` from its first append and refuses
     tensors of any other shape (a cache from another model or batch).
 
-    ``kv_dtype``: the dtype keys and values are stored in: ``None`` (the default) keeps the
-    dtype they come in (float32 for a float32 model), ``torch.bfloat16`` halves the cache's
-    memory and what each decoding step reads, at bfloat16's rounding of every cached key and
-    value (queries, scores and the softmax stay in the model's dtype); ``torch.float32`` stores
-    float32 whatever comes in. The attention reads the cache as stored (see
-    ``attnkit.backends.fused.decode``).
+    ``kv_dtype``: how keys and values are stored: ``None`` (default) as they come (float32 for a
+    float32 model); ``torch.bfloat16`` halves the cache and what each step reads, at bfloat16's
+    rounding of every cached key and value (queries, scores and softmax keep the model's dtype);
+    ``torch.float32``. Attention reads the cache as stored (``attnkit.backends.fused.decode``).
 
     In cross-attention the same object holds the projected keys/values of the encoder's memory:
     the first call fills it, later calls reuse it instead of projecting the memory again.
@@ -95,7 +92,7 @@ class KVCache:
     def __init__(self, max_len: int | None = None, *, kv_dtype: torch.dtype | None = None) -> None:
         if max_len is not None and (not isinstance(max_len, int) or max_len <= 0):
             raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
-        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        if kv_dtype is not None and kv_dtype not in decode.KV_DTYPES:
             raise ValueError(
                 f"kv_dtype must be torch.float32 or torch.bfloat16 (or None: the dtype of the "
                 f"keys appended), got {kv_dtype!r}"
@@ -425,12 +422,10 @@ class MultiHeadAttention(nn.Module):
         assert k is not None and v is not None
 
         weights = None
-        why_not_decode = self._why_not_decode(
-            q, k, v, mask, need_weights, bias, cache, memory_cache
-        )
-        if why_not_decode is None:  # one new token over the cache, as stored
-            key_mask = None if mask is None else mask[:, 0, 0, :].expand(b, k.shape[2])  # (b, j)
-            out = decode_attention(q, k, v, k.shape[2], key_mask=key_mask)  # (b, h, 1, d)
+        why = self._why_not_decode(q, k, v, mask, need_weights, bias, cache, memory_cache)
+        if why is None:  # one new token over the cache, as stored
+            key_mask = None if mask is None else decode.key_padding(mask, b, k.shape[2])  # (b, j)
+            out = decode.decode_attention(q, k, v, k.shape[2], key_mask=key_mask)  # (b, h, 1, d)
         else:
             k, v = k.to(q.dtype), v.to(q.dtype)  # a bfloat16 cache, read by float32 math
             q, k, v = to_autocast(q, k, v)  # attention's autocast policy, for every subclass
@@ -454,41 +449,27 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None,
         memory_cache: KVCache | None,
     ) -> str | None:
-        """Why this call does not take the compiled decode step (``decode_attention``: one
-        query per head over a self-attention cache), in a sentence, or None when it does.
-        With one new query, causal attention aligned bottom-right changes nothing."""
+        """Why this call does not take the compiled decode step (one query per head over a
+        self-attention cache), or None. One new query: bottom-right causal changes nothing."""
         if cache is None or memory_cache is not None:
             return "no self-attention KV cache"
         if q.shape[2] != 1:
             return f"{q.shape[2]} new positions, not one"
-        if need_weights:
-            return "the weights were asked for"
-        if bias is not None:
-            return "a bias"
+        if need_weights or bias is not None:
+            return "the weights or a bias were asked for"
         if self.training and self.dropout > 0.0:
             return "dropout is active"
         if type(self)._attend is not MultiHeadAttention._attend:
             return f"{type(self).__name__} computes attention its own way"
-        if (
-            self.differential is not None
-            or self.sinks is not None
-            or self.variants.softcap is not None
-        ):
+        if any(x is not None for x in (self.differential, self.sinks, self.variants.softcap)):
             return "an attention variant (differential, sinks or soft-capping)"
         if self.backend not in ("auto", "fused"):
             return f"backend={self.backend!r} was asked for"
         if autocast_dtype(q.device) is not None:
             return "autocast is on"
-        if mask is not None and not (
-            isinstance(mask, Tensor)
-            and mask.dtype == torch.bool
-            and mask.ndim == 4
-            and mask.shape[1] == mask.shape[2] == 1
-            and mask.shape[0] in (1, q.shape[0])
-            and mask.shape[3] == k.shape[2]
-        ):
+        if mask is not None and decode.key_padding(mask, q.shape[0], k.shape[2]) is None:
             return "a mask other than key padding (b, 1, 1, j)"
-        return decode_why_not(q, k, v, loaded_only=True)  # no file read per token
+        return decode.why_not(q, k, v, loaded_only=True)  # no file read per token
 
     def _per_map(self, fn: Callable[[Tensor], Tensor], x: Tensor | None) -> Tensor | None:
         """``fn`` on each head of ``x (b, h, n, d)``, or on each half of a differential head."""

@@ -35,7 +35,7 @@ from torch import Tensor
 from attnkit.backends.fused import jit
 from attnkit.functional import scaled_dot_product_attention
 
-__all__ = ["KV_DTYPES", "decode_attention", "decode_reference", "why_not"]
+__all__ = ["KV_DTYPES", "decode_attention", "decode_reference", "key_padding", "why_not"]
 
 KV_DTYPES = (torch.float32, torch.bfloat16)  # the cache dtypes the kernel reads
 
@@ -74,6 +74,21 @@ def _check(q: Tensor, key: Tensor, value: Tensor, length: int, key_mask: Tensor 
             f"True where a key exists, got {getattr(key_mask, 'dtype', type(key_mask))} "
             f"{tuple(getattr(key_mask, 'shape', ()))}"
         )
+
+
+def key_padding(mask: object, b: int, j: int) -> Tensor | None:
+    """The ``key_mask (b, j)`` a bool mask of shape ``(b or 1, 1, 1, j)`` says (which keys
+    exist, the same for every head and query), or None for any other mask."""
+    if not (
+        isinstance(mask, Tensor)
+        and mask.dtype == torch.bool
+        and mask.ndim == 4
+        and mask.shape[1] == mask.shape[2] == 1
+        and mask.shape[0] in (1, b)
+        and mask.shape[3] == j
+    ):
+        return None
+    return mask[:, 0, 0, :].expand(b, j)  # (b, j)
 
 
 def why_not(q: Tensor, key: Tensor, value: Tensor, *, loaded_only: bool = False) -> str | None:
