@@ -163,6 +163,12 @@ def test_what_the_kernel_does_not_serve_falls_back_in_a_sentence(kernel) -> None
     out = decode_attention(grad_q, key.float(), value.float(), 7)
     assert out.requires_grad
     assert why_not(q.float(), key.float(), value.float()) is None
+    strided = torch.randn(1, 2, 1, 16)[..., ::2]  # q not contiguous in d: the reference
+    assert "contiguous in d" in why_not(strided, key.float(), value.float())
+    torch.testing.assert_close(
+        decode_attention(strided, key.float(), value.float(), 7),
+        decode_reference(strided, key.float(), value.float(), 7),
+    )
 
 
 @pytest.mark.parametrize(
@@ -183,9 +189,16 @@ def test_bad_arguments_name_the_shapes(q_shape, k_shape, length, mask_shape, wor
 
 
 def test_the_kernel_checks_its_operands_before_any_work(kernel) -> None:
-    """Called directly, the compiled function refuses bad layouts with a sentence."""
+    """Called directly, the compiled function takes q and out as (b, h, d) or (b, h, 1, d) and
+    refuses bad layouts with a sentence."""
     q, out = torch.randn(1, 4, 8), torch.empty(1, 4, 8)
     key = torch.randn(1, 2, 9, 8)
+    out4 = torch.empty(1, 4, 1, 8)
+    kernel.decode(q[:, :, None], key, key, 9, 1.0, None, out4)
+    kernel.decode(q, key, key, 9, 1.0, None, out)
+    assert torch.equal(out4[:, :, 0], out)
+    with pytest.raises(RuntimeError, match=r"q must be float32 \(b, h, d\) or \(b, h, 1, d\)"):
+        kernel.decode(torch.randn(1, 4, 2, 8), key, key, 9, 1.0, None, out)
     with pytest.raises(RuntimeError, match="key and value must both be float32 or both"):
         kernel.decode(q, key, key.bfloat16(), 9, 1.0, None, out)
     with pytest.raises(RuntimeError, match="contiguous in d"):

@@ -268,17 +268,19 @@ void decode_kernel(const Problem& pr, const Tensor& key, const Tensor& value, fl
 
 }  // namespace
 
-// The step: out (b, h, d) = softmax(q k^T * scale) v over keys [0, length) of the cache, with
-// key_mask (b, length) True where a key exists (left padding). See decode.py for the layouts.
+// The step: out = softmax(q k^T * scale) v over keys [0, length) of the cache, with key_mask
+// (b, length) True where a key exists (left padding); q and out are (b, h, d) or (b, h, 1, d).
+// See decode.py for the layouts.
 void decode(const Tensor& q, const Tensor& key, const Tensor& value, int64_t length, double scale,
             const Opt& key_mask, const Tensor& out) {
   TORCH_CHECK(q.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu() &&
                   out.device().is_cpu(),
               "fused decode: every tensor must be on the CPU");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1,
-              "fused decode: q must be float32 (b, h, d) contiguous in d, got ",
+  TORCH_CHECK((q.dim() == 3 || (q.dim() == 4 && q.size(2) == 1)) &&
+                  q.scalar_type() == at::kFloat && q.stride(-1) == 1,
+              "fused decode: q must be float32 (b, h, d) or (b, h, 1, d), contiguous in d, got ",
               q.scalar_type(), " ", q.sizes());
-  const int64_t nb = q.size(0), h = q.size(1), d = q.size(2);
+  const int64_t nb = q.size(0), h = q.size(1), d = q.size(-1);
   TORCH_CHECK(key.dim() == 4 && value.dim() == 4 && key.sizes() == value.sizes(),
               "fused decode: key and value must be (b, h_kv, L, d) of one shape, got key ",
               key.sizes(), " and value ", value.sizes());
@@ -290,7 +292,7 @@ void decode(const Tensor& q, const Tensor& key, const Tensor& value, int64_t len
               "fused decode: key and value must be contiguous in d");
   const int64_t hk = key.size(1);
   TORCH_CHECK(key.size(0) == nb && key.size(3) == d && hk > 0 && h % hk == 0,
-              "fused decode: q (b, h, d) = ", q.sizes(), " needs key (b, h_kv, L, d) with the "
+              "fused decode: q (b, h, [1,] d) = ", q.sizes(), " needs key (b, h_kv, L, d) with the "
               "same b and d and h_kv dividing h, got ", key.sizes());
   TORCH_CHECK(length >= 0 && length <= key.size(2), "fused decode: length must be in [0, L = ",
               key.size(2), "], got ", length);

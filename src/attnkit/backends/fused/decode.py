@@ -98,14 +98,14 @@ def why_not(q: Tensor, key: Tensor, value: Tensor, *, loaded_only: bool = False)
     (``jit.loaded``), reading no file: the layer asks once per token and layer, where
     ``jit.unavailable`` (which hashes the sources to find the build) would cost more than the
     step itself."""
-    if q.device.type != "cpu" or key.device.type != "cpu" or value.device.type != "cpu":
+    if not (q.is_cpu and key.is_cpu and value.is_cpu):
         return "the decode kernel runs on the CPU only"
     if q.dtype != torch.float32:
         return f"the decode kernel takes float32 queries, got {q.dtype}"
     if key.dtype not in KV_DTYPES or value.dtype != key.dtype:
         return f"the decode kernel reads float32 or bfloat16 caches, got {key.dtype}/{value.dtype}"
-    if key.stride(-1) != 1 or value.stride(-1) != 1:
-        return "the decode kernel reads keys and values contiguous in d"
+    if q.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return "the decode kernel reads q, keys and values contiguous in d"
     if torch.is_grad_enabled() and (q.requires_grad or key.requires_grad or value.requires_grad):
         return "the decode kernel has no backward (a tensor requires grad)"
     if jit.loaded() is not None:
@@ -163,9 +163,8 @@ def decode_attention(
     _check(q, key, value, length, key_mask)
     if why_not(q, key, value) is not None:
         return decode_reference(q, key, value, length, scale=scale, key_mask=key_mask)
-    b, h, _, d = q.shape
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    out = q.new_empty(b, h, d)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out = torch.empty(q.shape, dtype=q.dtype)  # (b, h, 1, d), float32 on the CPU
     kernel = jit.loaded() or jit.load()  # loaded by why_not when it said None
-    kernel.decode(q[:, :, 0].contiguous(), key, value, length, scale, key_mask, out)
-    return out.unsqueeze(2)  # (b, h, 1, d)
+    kernel.decode(q, key, value, length, scale, key_mask, out)
+    return out
