@@ -308,3 +308,125 @@ def test_kv_cache_with_any_chunking_and_padding(chunks: list[int]) -> None:
         )
         start += n
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-12, rtol=0)
+
+
+# The compiled decode step (attnkit.backends.fused.decode): one new token over a KV cache.
+
+
+@pytest.fixture(scope="module")
+def decode_kernel():
+    from attnkit.backends.fused import jit
+
+    try:
+        return jit.build()
+    except jit.NotBuilt as reason:
+        pytest.skip(f"the fused kernel is unavailable here: {reason}")
+
+
+def _spy_decode(monkeypatch) -> list[int]:
+    """Count the calls that take the compiled decode step."""
+    from attnkit.backends.fused import decode
+
+    calls: list[int] = []
+    real = decode.decode_attention
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "decode_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("max_len", [None, 48])
+def test_decoding_with_the_compiled_step_equals_a_full_forward(
+    decode_kernel, monkeypatch, padded: bool, max_len: int | None
+) -> None:
+    """SmolLM2's attention shapes (e = 576, h = 9, h_kv = 3, d = 64) in float32 with RoPE: a
+    prompt of 5, then 35 tokens one at a time, every one through the compiled step (with left
+    padding: the key padding mask becomes its key_mask), equal to one causal forward."""
+    torch.manual_seed(0)
+    e, h, b, n = 576, 9, 2, 40
+    mha = MultiHeadAttention(e, h, num_kv_heads=3, bias=False).eval()
+    rope = RotaryEmbedding(e // h)
+    x = torch.randn(b, n, e)
+    keep = torch.ones(b, n, dtype=torch.bool)
+    if padded:
+        keep[1, :3] = False  # row 1 is left-padded by 3
+    with torch.no_grad():
+        full, _ = mha(x, mask=keep[:, None, None, :], is_causal=True, rope=rope)
+        calls = _spy_decode(monkeypatch)
+        cache = KVCache(max_len)
+        steps = [
+            mha(x[:, :5], mask=keep[:, None, None, :5], is_causal=True, rope=rope, cache=cache)
+        ]
+        for t in range(5, n):
+            seen = keep[:, None, None, : t + 1]  # (b, 1, 1, j)
+            steps.append(mha(x[:, t : t + 1], mask=seen, is_causal=True, rope=rope, cache=cache))
+    assert len(calls) == n - 5
+    got = torch.cat([s[0] for s in steps], dim=1)
+    torch.testing.assert_close(got[keep], full[keep], atol=2e-6, rtol=2e-5)
+
+
+def test_the_layer_says_why_a_call_does_not_take_the_decode_step(decode_kernel) -> None:
+    mha = MultiHeadAttention(16, 4, num_kv_heads=2).eval()
+    cache = KVCache()
+    mha(torch.randn(1, 3, 16), cache=cache)
+    q = torch.randn(1, 4, 1, 4)
+    k = v = torch.randn(1, 2, 4, 4)
+
+    def why(**kw):
+        args = dict(mask=None, need_weights=False, bias=None, cache=cache, memory_cache=None)
+        return mha._why_not_decode(q, k, v, **{**args, **kw})
+
+    assert why() is None
+    assert why(need_weights=True) == "the weights or a bias were asked for"
+    assert why(cache=None) == "no self-attention KV cache"
+    assert why(mask=lambda b, h, i, j: j >= 0) == "a mask other than key padding (b, 1, 1, j)"
+    assert why(mask=torch.ones(1, 1, 1, 3, dtype=torch.bool)).startswith("a mask other")
+    assert why(mask=torch.ones(1, 1, 1, 4, dtype=torch.bool)) is None
+    two = torch.randn(1, 4, 2, 4)
+    assert (
+        mha._why_not_decode(two, k, v, None, False, None, cache, None) == "2 new positions, not one"
+    )
+    mha.backend = "math"
+    assert why() == "backend='math' was asked for"
+    assert "float32 queries" in MultiHeadAttention(16, 4, backend="auto").double()._why_not_decode(
+        q.double(), k.double(), v.double(), None, False, None, cache, None
+    )
+
+
+def test_kv_dtype_bfloat16_stores_bfloat16_and_decodes_as_stored(decode_kernel) -> None:
+    """A bfloat16 cache holds the keys and values rounded to bfloat16; the compiled step reads
+    them as they are and gives what the general route gives on the same (widened) values."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(64, 4, num_kv_heads=2).eval()
+    x = torch.randn(2, 20, 64)
+    outs = {}
+    for kv_dtype, backend in [(torch.bfloat16, "auto"), (torch.bfloat16, "math"), (None, "auto")]:
+        mha.backend = backend
+        cache = KVCache(32, kv_dtype=kv_dtype)
+        with torch.no_grad():
+            steps = [mha(x[:, t : t + 1], is_causal=True, cache=cache)[0] for t in range(20)]
+        outs[kv_dtype, backend] = torch.cat(steps, 1)
+        assert cache.key.dtype == cache.value.dtype == (kv_dtype or torch.float32)
+    k = mha._project(x, 1).view(2, 20, 2, 16).transpose(1, 2)  # (b, h_kv, j, d)
+    torch.testing.assert_close(cache.key, k)  # the float32 cache: the projected keys
+    bf16 = outs[torch.bfloat16, "auto"]
+    torch.testing.assert_close(bf16, outs[torch.bfloat16, "math"], atol=1e-5, rtol=1e-5)
+    assert 0 < (bf16 - outs[None, "auto"]).abs().max() < 3e-2  # bfloat16's rounding
+
+
+def test_kv_dtype_rounds_on_append_and_refuses_other_dtypes() -> None:
+    cache = KVCache(kv_dtype=torch.bfloat16)
+    key, value = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    k, v = cache.append(key, value)
+    assert k.dtype == v.dtype == torch.bfloat16
+    assert torch.equal(k, key.bfloat16()) and torch.equal(v.float(), value.bfloat16().float())
+    assert KVCache(kv_dtype=torch.float32).append(key.double(), value.double())[0].dtype == (
+        torch.float32
+    )
+    for bad in (torch.float16, torch.float64, torch.int8, "bfloat16"):
+        with pytest.raises(ValueError, match=r"kv_dtype must be torch\.float32 or torch\.bfloat16"):
+            KVCache(kv_dtype=bad)

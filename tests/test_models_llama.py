@@ -251,3 +251,20 @@ def test_ids_and_padding_are_checked() -> None:
         model(torch.zeros(1, 4, dtype=torch.long), padding=torch.ones(1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="one KVCache per layer"):
         model(torch.zeros(1, 4, dtype=torch.long), caches=model.new_caches()[:1])
+
+
+def test_new_caches_keep_keys_and_values_in_kv_dtype() -> None:
+    """``new_caches(kv_dtype=torch.bfloat16)``: every layer's cache stores bfloat16, and the
+    logits stay within bfloat16's rounding of those of a float32 cache."""
+    model = _small(seed=6)
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(7))
+    logits = {}
+    with torch.no_grad():
+        for kv_dtype in (None, torch.bfloat16):
+            caches = model.new_caches(12, kv_dtype=kv_dtype)
+            steps = [model(ids[:, :4], caches=caches).logits]
+            steps += [model(ids[:, t : t + 1], caches=caches).logits for t in range(4, 12)]
+            logits[kv_dtype] = torch.cat(steps, dim=1)
+            assert {c.key.dtype for c in caches} == {kv_dtype or torch.float32}
+    difference = (logits[torch.bfloat16] - logits[None]).abs().max()
+    assert 0 < difference < 1e-2

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import attnkit.backends  # noqa: F401  (registers the backends a module's `backend=` names)
-from attnkit._numerics import no_autocast, to_autocast
+from attnkit._numerics import autocast_dtype, no_autocast, to_autocast
+from attnkit.backends.fused import decode
 from attnkit.functional import scaled_dot_product_attention
 from attnkit.masks import BiasFn, MaskFn
 from attnkit.variants import (
@@ -79,14 +80,25 @@ class KVCache:
     concatenates. The cache remembers ``b``, ``h_kv`` and ``d`` from its first append and refuses
     tensors of any other shape (a cache from another model or batch).
 
+    ``kv_dtype``: how keys and values are stored: ``None`` (default) as they come (float32 for a
+    float32 model); ``torch.bfloat16`` halves the cache and what each step reads, at bfloat16's
+    rounding of every cached key and value (queries, scores and softmax keep the model's dtype);
+    ``torch.float32``. Attention reads the cache as stored (``attnkit.backends.fused.decode``).
+
     In cross-attention the same object holds the projected keys/values of the encoder's memory:
     the first call fills it, later calls reuse it instead of projecting the memory again.
     """
 
-    def __init__(self, max_len: int | None = None) -> None:
+    def __init__(self, max_len: int | None = None, *, kv_dtype: torch.dtype | None = None) -> None:
         if max_len is not None and (not isinstance(max_len, int) or max_len <= 0):
             raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
+        if kv_dtype is not None and kv_dtype not in decode.KV_DTYPES:
+            raise ValueError(
+                f"kv_dtype must be torch.float32 or torch.bfloat16 (or None: the dtype of the "
+                f"keys appended), got {kv_dtype!r}"
+            )
         self.max_len = max_len
+        self.kv_dtype = kv_dtype
         self.length = 0
         self._key: Tensor | None = None  # (b, h_kv, j_max, d) when preallocated
         self._value: Tensor | None = None
@@ -114,6 +126,8 @@ class KVCache:
                 f"KVCache.append takes key and value of shape (b, h_kv, n, d) with matching "
                 f"(b, h_kv, n); got key {tuple(key.shape)}, value {tuple(value.shape)}"
             )
+        if self.kv_dtype is not None:
+            key, value = key.to(self.kv_dtype), value.to(self.kv_dtype)
         n = key.shape[2]
         if self._key is not None:
             assert self._value is not None
@@ -407,15 +421,55 @@ class MultiHeadAttention(nn.Module):
             k, v = cache.append(k, v)  # (b, h_kv, offset + j, d)
         assert k is not None and v is not None
 
-        q, k, v = to_autocast(q, k, v)  # attention's autocast policy, for every subclass too
-        with no_autocast(q.device):
-            out, weights = self._attend(
-                q, k, v, mask=mask, is_causal=is_causal, need_weights=need_weights, bias=bias
-            )
+        weights = None
+        why = self._why_not_decode(q, k, v, mask, need_weights, bias, cache, memory_cache)
+        if why is None:  # one new token over the cache, as stored
+            key_mask = None if mask is None else decode.key_padding(mask, b, k.shape[2])  # (b, j)
+            out = decode.decode_attention(q, k, v, k.shape[2], key_mask=key_mask)  # (b, h, 1, d)
+        else:
+            k, v = k.to(q.dtype), v.to(q.dtype)  # a bfloat16 cache, read by float32 math
+            q, k, v = to_autocast(q, k, v)  # attention's autocast policy, for every subclass
+            with no_autocast(q.device):
+                out, weights = self._attend(
+                    q, k, v, mask=mask, is_causal=is_causal, need_weights=need_weights, bias=bias
+                )
         if self.gate is not None:
             out = self.gate(out, query)  # (b, h, i, d), gated by the layer input
         out = out.transpose(1, 2).reshape(b, i, self.embed_dim)  # (b, i, h * d)
         return self.out_proj(out), weights
+
+    def _why_not_decode(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | MaskFn | None,
+        need_weights: bool,
+        bias: Tensor | BiasFn | None,
+        cache: KVCache | None,
+        memory_cache: KVCache | None,
+    ) -> str | None:
+        """Why this call does not take the compiled decode step (one query per head over a
+        self-attention cache), or None. One new query: bottom-right causal changes nothing."""
+        if cache is None or memory_cache is not None:
+            return "no self-attention KV cache"
+        if q.shape[2] != 1:
+            return f"{q.shape[2]} new positions, not one"
+        if need_weights or bias is not None:
+            return "the weights or a bias were asked for"
+        if self.training and self.dropout > 0.0:
+            return "dropout is active"
+        if type(self)._attend is not MultiHeadAttention._attend:
+            return f"{type(self).__name__} computes attention its own way"
+        if any(x is not None for x in (self.differential, self.sinks, self.variants.softcap)):
+            return "an attention variant (differential, sinks or soft-capping)"
+        if self.backend not in ("auto", "fused"):
+            return f"backend={self.backend!r} was asked for"
+        if autocast_dtype(q.device) is not None:
+            return "autocast is on"
+        if mask is not None and decode.key_padding(mask, q.shape[0], k.shape[2]) is None:
+            return "a mask other than key padding (b, 1, 1, j)"
+        return decode.why_not(q, k, v, loaded_only=True)  # no file read per token
 
     def _per_map(self, fn: Callable[[Tensor], Tensor], x: Tensor | None) -> Tensor | None:
         """``fn`` on each head of ``x (b, h, n, d)``, or on each half of a differential head."""

@@ -153,9 +153,13 @@ class LlamaModel(nn.Module):
         )
         nn.init.normal_(self.embed.weight, std=0.02)  # Llama's initializer_range
 
-    def new_caches(self, max_len: int | None = None) -> list[KVCache]:
-        """One empty ``KVCache`` per layer (``max_len``: preallocate that many positions)."""
-        return [KVCache(max_len) for _ in self.blocks]
+    def new_caches(
+        self, max_len: int | None = None, *, kv_dtype: torch.dtype | None = None
+    ) -> list[KVCache]:
+        """One empty ``KVCache`` per layer (``max_len``: preallocate that many positions;
+        ``kv_dtype``: store keys and values as ``torch.bfloat16`` or ``torch.float32``, ``None``
+        in the model's dtype; see ``KVCache``)."""
+        return [KVCache(max_len, kv_dtype=kv_dtype) for _ in self.blocks]
 
     def angles(self, n: int, offset: int, padding: Tensor | None, device: torch.device) -> _Angles:
         """RoPE angles for the ``n`` new positions after ``offset`` cached ones, cast once to

@@ -9,6 +9,7 @@ float32; softmax statistics are float32 (float64 for float64 inputs). One file p
 
     fused.h       the problem (Spec), the tile matmul, one row of a tile's logits
     forward.cpp   the forward loop          backward.cpp   the recomputing backward
+    decode.cpp    one decoding step over a KV cache (flash-decoding; ``decode.py`` wraps it)
     module.cpp    the Python bindings
     jit.py        the build when asked (or in the background for auto), cached and verified
     plan.py       masks and biases as the kernel evaluates them (band, layout, relative, dense)
@@ -25,6 +26,7 @@ Where no C++ compiler (or ninja) is available, the build failed or the kernel is
 """
 
 from attnkit.backends.fused.api import BLOCK_K, BLOCK_Q, fused_attention, run, why_not
+from attnkit.backends.fused.decode import decode_attention
 from attnkit.backends.fused.jit import NotBuilt, build, cache_dir, is_built, load, unavailable
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "NotBuilt",
     "build",
     "cache_dir",
+    "decode_attention",
     "fused_attention",
     "is_built",
     "load",

@@ -59,6 +59,7 @@ __all__ = [
     "flags",
     "is_built",
     "load",
+    "loaded",
     "prerequisites",
     "unavailable",
 ]
@@ -228,6 +229,16 @@ def _cached() -> ModuleType | None:
     with _GUARD:
         if _MODULE[0] is None:
             _MODULE[0] = _import(library, name)
+    return _MODULE[0]
+
+
+def loaded() -> ModuleType | None:
+    """The kernel if this process has already loaded it, else None: reads no file and hashes
+    nothing, so a per-token decision can ask it (``ATTNKIT_FUSED=0`` gives None). A verified
+    build is loaded by the first ``is_built``, ``unavailable`` or ``load``, e.g. when auto
+    first weighs the kernel."""
+    if os.environ.get("ATTNKIT_FUSED", "1") == "0":
+        return None
     return _MODULE[0]
 
 
