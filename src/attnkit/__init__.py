@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and readers; loaded on fi
     from attnkit.blocks import FeedForward, TransformerBlock
     from attnkit.debug import inspect_attention
     from attnkit.functional import scaled_dot_product_attention
+    from attnkit.gated_delta import GatedDeltaNet, gated_delta_rule
     from attnkit.norms import RMSNorm
     from attnkit.positional import (
         LearnedPositionalEmbedding,
@@ -56,6 +57,8 @@ _NAMES = {
     "TransformerBlock": "attnkit.blocks",
     "inspect_attention": "attnkit.debug",
     "scaled_dot_product_attention": "attnkit.functional",
+    "GatedDeltaNet": "attnkit.gated_delta",
+    "gated_delta_rule": "attnkit.gated_delta",
     "RMSNorm": "attnkit.norms",
     "LearnedPositionalEmbedding": "attnkit.positional",
     "RelativePositionAttention": "attnkit.positional",
@@ -92,6 +95,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AttentionVariants",
     "FeedForward",
+    "GatedDeltaNet",
     "KVCache",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
@@ -110,6 +114,7 @@ __all__ = [
     "available_backends",
     "backends",
     "distributed",
+    "gated_delta_rule",
     "inspect_attention",
     "linear_attention",
     "masks",
