@@ -190,3 +190,17 @@ def test_bad_input_is_named():
         gather_attention(q, k, v, torch.zeros(1, 3, 2))
     with pytest.raises(TypeError, match="DeepseekV32Attention"):
         DeepSeekSparseAttention.from_transformers(torch.nn.Linear(2, 2))
+
+
+def test_a_small_deepseek_v32_model_equals_transformers_and_generates_the_same():
+    """Two layers of DSA (top-5 of up to 17 keys) + SwiGLU: logits in float64 against
+    DeepseekV32ForCausalLM with the same weights, and greedy decoding through
+    SparseLatentCaches against its generate()."""
+    from modern_oracles import deepseek_pair
+
+    hf, ours = deepseek_pair(sparse=True)
+    ids = torch.randint(0, 53, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=0, atol=1e-10)
+    expected = hf.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    assert torch.equal(ours.greedy(ids[:1], 6), expected)

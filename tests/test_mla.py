@@ -196,3 +196,17 @@ def test_bad_input_is_named():
     })  # fmt: skip
     with pytest.raises(ValueError, match="only the default RoPE"):
         MultiHeadLatentAttention.from_transformers(hf)
+
+
+def test_a_small_deepseek_v3_model_equals_transformers_and_generates_the_same():
+    """Embeddings, two layers of MLA + SwiGLU with RMSNorms, a head: logits in float64 against
+    DeepseekV3ForCausalLM with the same weights, and greedy decoding through LatentCaches
+    against its generate()."""
+    from modern_oracles import deepseek_pair
+
+    hf, ours = deepseek_pair()
+    ids = torch.randint(0, 53, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=0, atol=1e-10)
+    expected = hf.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    assert torch.equal(ours.greedy(ids[:1], 6), expected)
