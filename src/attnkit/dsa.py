@@ -152,7 +152,7 @@ class LightningIndexer(nn.Module):
 
     @torch.no_grad()
     def select(
-        self, x: Tensor, c_q: Tensor, keys: Tensor, *, is_causal: bool = True, block: int = 256
+        self, x: Tensor, c_q: Tensor, keys: Tensor, *, is_causal: bool = True, block: int = 64
     ) -> tuple[Tensor, Tensor]:
         """The keys each new query keeps: ``(indices (b, i, t), valid (b, i, t))``.
 
@@ -325,7 +325,7 @@ class DeepSeekSparseAttention(nn.Module):
     """
 
     def __init__(
-        self, attention: MultiHeadLatentAttention, indexer: LightningIndexer, *, block: int = 64
+        self, attention: MultiHeadLatentAttention, indexer: LightningIndexer, *, block: int = 32
     ) -> None:
         super().__init__()
         if not isinstance(attention, MultiHeadLatentAttention):
