@@ -204,11 +204,9 @@ def _chunked(
     decay = diff.exp().masked_fill(~lower, 0.0)  # (b, h_v, m, c, c)
     k_beta = k * beta[..., None]  # (b, h_v, m, c, d_k)
     A = (k_beta @ k.transpose(-1, -2)) * decay  # (b, h_v, m, c, c); diagonal ignored below
-    eye = torch.eye(c, dtype=A.dtype, device=A.device)
-    system = A.tril(-1) + eye  # I + A, unit lower triangular
-    rhs = torch.cat([v * beta[..., None], k_beta * G.exp()[..., None]], dim=-1)
-    UW = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    U, W = UW.split([d_v, d_k], dim=-1)  # (b, h_v, m, c, d_v), (b, h_v, m, c, d_k)
+    T = _UnitLowerInverse.apply(A.tril(-1))  # (b, h_v, m, c, c): (I + A)^-1
+    U = T @ (v * beta[..., None])  # (b, h_v, m, c, d_v)
+    W = T @ (k_beta * G.exp()[..., None])  # (b, h_v, m, c, d_k)
     inner = (q @ k.transpose(-1, -2)) * decay  # (b, h_v, m, c, c): attention inside a chunk
     q_decayed = q * G.exp()[..., None]  # reads S_0 through the decay so far
     k_decayed = k * (G[..., -1:] - G).exp()[..., None]  # writes decayed to the chunk's end
@@ -223,9 +221,32 @@ def _chunked(
     return out, state
 
 
+class _UnitLowerInverse(torch.autograd.Function):
+    """``T = (I + A)^-1`` for strictly lower-triangular ``A (..., c, c)``, by one triangular solve
+    against the identity; backward ``dA = -(T^T dT T^T)`` below the diagonal: two matmuls,
+    where autograd of a solve against the values would solve again with the transposed system.
+    """
+
+    @staticmethod
+    def forward(ctx, A):  # type: ignore[no-untyped-def,override]
+        eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+        T = torch.linalg.solve_triangular(
+            A + eye, eye.expand_as(A), upper=False, unitriangular=True
+        )
+        ctx.save_for_backward(T)
+        return T
+
+    @staticmethod
+    def backward(ctx, dT):  # type: ignore[no-untyped-def,override]
+        (T,) = ctx.saved_tensors
+        Tt = T.transpose(-1, -2)
+        return -(Tt @ dT @ Tt).tril(-1)
+
+
 class _ChunkScan(torch.autograd.Function):
     """The scan over chunks, with its backward written out (autograd of a Python loop would
-    record ~10 small ops per chunk; here each direction is two matmuls per chunk).
+    record ~10 small ops per chunk; here each direction is two matmuls per chunk). Inside, the
+    tensors are laid out chunk-major, ``(m, b h_v, c, d)``, so each step reads contiguous blocks.
 
     Forward, per chunk ``i`` (``D_i = exp(G_c)``, ``K_i = exp(G_c - G) k``)::
 
@@ -241,39 +262,49 @@ class _ChunkScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, U, W, K, D, state):  # type: ignore[no-untyped-def,override]
-        b, h_v, m, c, d_v = U.shape
+        b, h_v, m, _, d_v = U.shape
         d_k = W.shape[-1]
-        S0 = U.new_empty(b, h_v, m, d_k, d_v)
-        V_new = torch.empty_like(U)
+        U_, W_, K_ = (_chunk_major(t) for t in (U, W, K))  # (m, b h_v, c, d)
+        D_ = _chunk_major(D)  # (m, b h_v, 1, 1)
+        S0 = U.new_empty(m, b * h_v, d_k, d_v)
+        V_new = torch.empty_like(U_)
+        S = state.reshape(b * h_v, d_k, d_v)
         for i in range(m):
-            S0[:, :, i] = state
-            v_new = torch.baddbmm(
-                U[:, :, i].flatten(0, 1), W[:, :, i].flatten(0, 1), state.flatten(0, 1), alpha=-1
-            ).view(b, h_v, c, d_v)  # U_i - W_i S
-            V_new[:, :, i] = v_new
-            state = state * D[:, :, i] + K[:, :, i].transpose(-1, -2) @ v_new
-        ctx.save_for_backward(W, K, D, S0, V_new)
-        return S0, V_new, state
+            S0[i] = S
+            torch.baddbmm(U_[i], W_[i], S, alpha=-1, out=V_new[i])  # U_i - W_i S
+            S = torch.baddbmm(S * D_[i], K_[i].transpose(-1, -2), V_new[i])
+        ctx.save_for_backward(W_, K_, D_, S0, V_new)
+        ctx.shape = (b, h_v)
+        return _batch_major(S0, b, h_v), _batch_major(V_new, b, h_v), S.view(b, h_v, d_k, d_v)
 
     @staticmethod
     def backward(ctx, dS0, dV_new, dstate):  # type: ignore[no-untyped-def,override]
-        W, K, D, S0, V_new = ctx.saved_tensors
-        m = V_new.shape[2]
-        dS = torch.zeros_like(S0[:, :, 0]) if dstate is None else dstate.clone()
-        dV = torch.zeros_like(V_new) if dV_new is None else dV_new.clone()
+        W_, K_, D_, S0, V_new = ctx.saved_tensors
+        b, h_v = ctx.shape
+        m = V_new.shape[0]
+        dS = dstate.reshape(b * h_v, *dstate.shape[2:]).clone()
+        dV = _chunk_major(dV_new).clone()  # (m, b h_v, c, d_v)
+        dS0_ = _chunk_major(dS0)
         dS_next = torch.empty_like(S0)  # the gradient of the state leaving each chunk
         for i in reversed(range(m)):
-            dS_next[:, :, i] = dS
-            dv = dV[:, :, i]
-            dv += K[:, :, i] @ dS
-            dS = dS * D[:, :, i] - W[:, :, i].transpose(-1, -2) @ dv
-            if dS0 is not None:
-                dS = dS + dS0[:, :, i]
-        dU = dV
-        dW = -(dV @ S0.transpose(-1, -2))  # (b, h_v, m, c, d_k)
-        dK = V_new @ dS_next.transpose(-1, -2)  # (b, h_v, m, c, d_k)
-        dD = (S0 * dS_next).sum((-1, -2), keepdim=True)  # (b, h_v, m, 1, 1)
-        return dU, dW, dK, dD, dS
+            dS_next[i] = dS
+            dV[i].baddbmm_(K_[i], dS)  # dV'_i += K_i dS
+            dS = torch.baddbmm(dS * D_[i] + dS0_[i], W_[i].transpose(-1, -2), dV[i], alpha=-1)
+        dW = -(dV @ S0.transpose(-1, -2))  # (m, b h_v, c, d_k)
+        dK = V_new @ dS_next.transpose(-1, -2)  # (m, b h_v, c, d_k)
+        dD = (S0 * dS_next).sum((-1, -2), keepdim=True)  # (m, b h_v, 1, 1)
+        grads = (_batch_major(t, b, h_v) for t in (dV, dW, dK, dD))
+        return (*grads, dS.view(b, h_v, *dS.shape[1:]))
+
+
+def _chunk_major(t: Tensor) -> Tensor:
+    """``(b, h_v, m, ...)`` -> contiguous ``(m, b h_v, ...)``."""
+    return t.flatten(0, 1).transpose(0, 1).contiguous()
+
+
+def _batch_major(t: Tensor, b: int, h_v: int) -> Tensor:
+    """``(m, b h_v, ...)`` -> ``(b, h_v, m, ...)`` (a view)."""
+    return t.transpose(0, 1).unflatten(0, (b, h_v))
 
 
 class GatedDeltaCache:
