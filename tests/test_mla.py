@@ -142,6 +142,20 @@ def test_cached_decoding_equals_the_full_forward(absorb):
     assert m.cache_bytes_per_token(torch.bfloat16) == (D_C + D_R) * 2
 
 
+def test_a_preallocated_cache_decodes_the_same_and_refuses_to_overflow():
+    m = _module()
+    x = torch.randn(2, 9, E, dtype=F64)
+    full, _ = m(x)
+    cache = LatentCache(max_len=9)
+    steps = [m(x[:, :4], cache=cache)[0]]
+    steps += [m(x[:, t : t + 1], cache=cache)[0] for t in range(4, 9)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="LatentCache is full"):
+        m(x[:, :1], cache=cache)
+    with pytest.raises(ValueError, match="max_len"):
+        LatentCache(max_len=0)
+
+
 def test_cache_is_the_size_the_paper_states():
     """DeepSeek-V2 (section 2.1.4, table 1): d_c = 4 d_h and d_r = d_h / 2 cache 4.5 d_h numbers
     per token and layer, against 2 h d_h for multi-head attention's keys and values."""

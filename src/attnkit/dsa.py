@@ -191,12 +191,14 @@ class _GatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, valid, scale, block):  # type: ignore[no-untyped-def,override]
         b, h, i, _ = q.shape
+        j, dv = k.shape[1], v.shape[-1]
         work = compute_dtype(q.dtype)
-        out = q.new_empty(b, h, i, v.shape[-1])
+        out = q.new_empty(b, h, i, dv)
         lse = torch.empty(b, h, i, dtype=work, device=q.device)
+        tables = _tables(k, v)
         for r0 in range(0, i, block):
             r1 = min(i, r0 + block)
-            kg, vg = _gather(k, v, indices[:, r0:r1], work)  # (b, rows, t, d), (b, rows, t, dv)
+            kg, vg = _gather(*tables, dv, indices[:, r0:r1], j, work)  # (b, rows, t, d | dv)
             s = _scores(q[:, :, r0:r1].to(work), kg, valid[:, r0:r1], scale)  # (b, rows, h, t)
             m = torch.logsumexp(s, dim=-1, keepdim=True)  # (b, rows, h, 1)
             p = torch.exp(s - m) * valid[:, r0:r1, None]
@@ -217,10 +219,11 @@ class _GatherAttention(torch.autograd.Function):
         dk = torch.zeros(b * j, k.shape[-1], dtype=work, device=k.device)
         dv = torch.zeros(b * j, v.shape[-1], dtype=work, device=v.device)
         base = (torch.arange(b, device=k.device) * j).view(b, 1, 1)
+        tables = _tables(k, v)
         for r0 in range(0, i, block):
             r1 = min(i, r0 + block)
             idx = indices[:, r0:r1]
-            kg, vg = _gather(k, v, idx, work)
+            kg, vg = _gather(*tables, v.shape[-1], idx, j, work)
             qt = q[:, :, r0:r1].to(work).transpose(1, 2)  # (b, rows, h, d)
             s = _scores(q[:, :, r0:r1].to(work), kg, valid[:, r0:r1], scale)
             p = torch.exp(s - lse[:, :, r0:r1].transpose(1, 2)[..., None])  # (b, rows, h, t)
@@ -238,13 +241,26 @@ class _GatherAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None, None, None
 
 
-def _gather(k: Tensor, v: Tensor, idx: Tensor, work: torch.dtype) -> tuple[Tensor, Tensor]:
+def _tables(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``k (b, j, d)`` as a contiguous ``(b j, d)`` table, and ``v``'s, or None when the values
+    are the keys' first ``dv`` channels (MLA's ``c_kv`` in ``[c_kv; k_r]``): they are then
+    sliced from the gathered keys instead of gathered again."""
+    b, j, d = k.shape
+    shared = v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
+    k_table = k.reshape(b * j, d).contiguous()
+    return k_table, None if shared else v.reshape(b * j, v.shape[-1]).contiguous()
+
+
+def _gather(
+    k_table: Tensor, v_table: Tensor | None, dv: int, idx: Tensor, j: int, work: torch.dtype
+) -> tuple[Tensor, Tensor]:
     """The keys and values ``idx (b, rows, t)`` points at: ``(b, rows, t, d)``, ``(.., dv)``."""
-    b, j, _ = k.shape
-    flat = (idx + (torch.arange(b, device=k.device) * j).view(b, 1, 1)).flatten()
-    kg = k.reshape(b * j, -1)[flat].view(*idx.shape, -1).to(work)
-    vg = v.reshape(b * j, -1)[flat].view(*idx.shape, -1).to(work)
-    return kg, vg
+    b = idx.shape[0]
+    flat = (idx + (torch.arange(b, device=idx.device) * j).view(b, 1, 1)).flatten()
+    kg = k_table[flat].view(*idx.shape, -1).to(work)
+    if v_table is None:
+        return kg, kg[..., :dv]
+    return kg, v_table[flat].view(*idx.shape, -1).to(work)
 
 
 def _scores(q: Tensor, kg: Tensor, valid: Tensor, scale: float) -> Tensor:
@@ -368,25 +384,25 @@ class DeepSeekSparseAttention(nn.Module):
         offset = 0 if cache is None else cache.length
         c_q = mla.query_latent(x)  # (b, i, d_q)
         assert c_q is not None
-        c_kv, k_r = mla.latents(x, offset)  # (b, i, d_c), (b, i, d_r)
+        kv = mla.latents(x, offset)  # (b, i, d_c + d_r)
         index_keys = self.indexer.keys(x, offset)  # (b, i, D)
         if cache is not None:
-            c_kv, k_r = cache.append(c_kv, k_r)  # (b, j, .)
+            kv = cache.append(kv, mla.kv_rank)  # (b, j, d_c + d_r)
             index_keys = cache.append_index(index_keys)
         q_n, q_r = mla.queries(x, offset, c_q)  # (b, h, i, d_n), (b, h, i, d_r)
         indices, valid = self.indexer.select(x, c_q, index_keys, is_causal=is_causal)
         if method == "masked" or need_weights:
             b, i, _ = x.shape
-            keep = torch.zeros(b, i, c_kv.shape[1], dtype=torch.bool, device=x.device)
+            keep = torch.zeros(b, i, kv.shape[1], dtype=torch.bool, device=x.device)
             keep.scatter_(-1, indices, valid)  # (b, i, j): the selected, visible keys
             out, weights = mla.attend(
-                q_n, q_r, c_kv, k_r, mask=keep[:, None], is_causal=is_causal,
+                q_n, q_r, kv, mask=keep[:, None], is_causal=is_causal,
                 need_weights=need_weights, absorb=False,
             )  # fmt: skip
             return mla.out_proj(out), weights
         q = mla.absorb_query(q_n, q_r)  # (b, h, i, d_c + d_r)
-        latents = torch.cat([c_kv, k_r], dim=-1)  # (b, j, d_c + d_r)
-        o_c = gather_attention(q, latents, c_kv, indices, valid, scale=mla.scale, block=self.block)
+        c_kv = kv[..., : mla.kv_rank]  # the values: a view of the keys' first d_c channels
+        o_c = gather_attention(q, kv, c_kv, indices, valid, scale=mla.scale, block=self.block)
         return mla.out_proj(mla.absorb_output(o_c)), None
 
     @classmethod

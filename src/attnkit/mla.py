@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 import attnkit.backends  # noqa: F401  (registers the backends a module's `backend=` names)
 from attnkit.functional import scaled_dot_product_attention
-from attnkit.masks import MaskFn
+from attnkit.masks import MaskFn, causal_mask, pad_to_rank
 from attnkit.norms import RMSNorm
 from attnkit.positional import RotaryEmbedding
 
@@ -51,48 +51,78 @@ __all__ = ["LatentCache", "MultiHeadLatentAttention"]
 
 
 class LatentCache:
-    """The MLA cache of one layer: the latent ``c_kv (b, j, d_c)`` and the rotated decoupled key
-    ``k_r (b, j, d_r)``, not per-head keys and values.
+    """The MLA cache of one layer: the latent ``c_kv`` and the rotated decoupled key ``k_r`` of
+    every position, stored side by side as ``[c_kv; k_r]`` ``(b, j, d_c + d_r)`` (the absorbed
+    form's keys, so decoding reads them without a copy), not per-head keys and values.
 
     ``length`` is also the position of the next token (the RoPE offset). With ``is_causal=True``
     the mask is aligned bottom-right, as with ``attnkit.KVCache``, so decoding token by token
-    equals one causal forward.
+    equals one causal forward. With ``max_len`` the storage is allocated once and filled in
+    place; without it each append concatenates.
     """
 
-    def __init__(self) -> None:
-        self.latent: Tensor | None = None  # (b, j, d_c)
-        self.rope_key: Tensor | None = None  # (b, j, d_r)
+    def __init__(self, max_len: int | None = None) -> None:
+        if max_len is not None and (not isinstance(max_len, int) or max_len <= 0):
+            raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
+        self.max_len = max_len
+        self.length = 0
+        self.kv_rank = 0  # d_c, from the first append
+        self._kv: Tensor | None = None  # (b, j or max_len, d_c + d_r)
 
     @property
-    def length(self) -> int:
-        return 0 if self.latent is None else self.latent.shape[1]
+    def keys(self) -> Tensor | None:
+        """``[c_kv; k_r]`` of the cached positions, ``(b, j, d_c + d_r)``."""
+        return None if self._kv is None else self._kv[:, : self.length]
+
+    @property
+    def latent(self) -> Tensor | None:
+        """``c_kv (b, j, d_c)``."""
+        return None if self._kv is None else self._kv[:, : self.length, : self.kv_rank]
+
+    @property
+    def rope_key(self) -> Tensor | None:
+        """``k_r (b, j, d_r)``, rotated."""
+        return None if self._kv is None else self._kv[:, : self.length, self.kv_rank :]
 
     def __len__(self) -> int:
         return self.length
 
     def reset(self) -> None:
-        self.latent = self.rope_key = None
+        self._kv, self.length = None, 0
 
     def nbytes(self) -> int:
-        """Bytes held: ``(d_c + d_r) * b * j * element_size``."""
-        return sum(
-            t.numel() * t.element_size() for t in (self.latent, self.rope_key) if t is not None
-        )
+        """Bytes of the cached positions: ``(d_c + d_r) * b * j * element_size``."""
+        kv = self.keys
+        return 0 if kv is None else kv.numel() * kv.element_size()
 
-    def append(self, latent: Tensor, rope_key: Tensor) -> tuple[Tensor, Tensor]:
-        """Append ``(b, n, d_c)`` latents and ``(b, n, d_r)`` rotated keys; return all so far."""
-        if self.latent is None or self.rope_key is None:
-            self.latent, self.rope_key = latent, rope_key
-        else:
-            if latent.shape[0] != self.latent.shape[0] or latent.shape[2:] != self.latent.shape[2:]:
+    def append(self, kv: Tensor, kv_rank: int) -> Tensor:
+        """Append ``[c_kv; k_r]`` ``(b, n, d_c + d_r)`` with ``d_c = kv_rank``; return all."""
+        n = kv.shape[1]
+        if self._kv is not None:
+            want = (self._kv.shape[0], self._kv.shape[2], self.kv_rank)
+            if (kv.shape[0], kv.shape[2], kv_rank) != want:
                 raise ValueError(
-                    f"cache holds latents (b, d_c) = ({self.latent.shape[0]}, "
-                    f"{self.latent.shape[2]}) but this call gives {tuple(latent.shape)}: the "
-                    "cache comes from another layer, model or batch (call reset())"
+                    f"cache holds latents (b, d_c + d_r, d_c) = {want} but this call gives "
+                    f"{(kv.shape[0], kv.shape[2], kv_rank)}: the cache comes from another "
+                    "layer, model or batch (call reset())"
                 )
-            self.latent = torch.cat([self.latent, latent], dim=1)  # (b, j + n, d_c)
-            self.rope_key = torch.cat([self.rope_key, rope_key], dim=1)  # (b, j + n, d_r)
-        return self.latent, self.rope_key
+        self.kv_rank = kv_rank
+        if self.max_len is not None:
+            if self.length + n > self.max_len:
+                raise ValueError(
+                    f"LatentCache is full: {self.length} cached + {n} new > max_len={self.max_len}"
+                )
+            if self._kv is None:
+                self._kv = kv.new_empty(kv.shape[0], self.max_len, kv.shape[2])
+            self._kv[:, self.length : self.length + n] = kv
+        elif self._kv is None:
+            self._kv = kv
+        else:
+            self._kv = torch.cat([self._kv[:, : self.length], kv], dim=1)  # (b, j + n, .)
+        self.length += n
+        keys = self.keys
+        assert keys is not None
+        return keys
 
 
 def _check_positive(name: str, value: object) -> int:
@@ -202,10 +232,11 @@ class MultiHeadLatentAttention(nn.Module):
         q_n, q_r = q.split([self.nope_dim, self.rope_dim], dim=-1)
         return q_n, self.rope.rotate(q_r, offset)
 
-    def latents(self, x: Tensor, offset: int) -> tuple[Tensor, Tensor]:
-        """``(c_kv (b, j, d_c), k_r (b, j, d_r))`` of new tokens at positions ``offset ..``."""
+    def latents(self, x: Tensor, offset: int) -> Tensor:
+        """``[c_kv; k_r]`` ``(b, j, d_c + d_r)`` of new tokens at positions ``offset ..``: what
+        the cache stores."""
         c_kv, k_r = self.kv_down(x).split([self.kv_rank, self.rope_dim], dim=-1)
-        return self.kv_norm(c_kv), self.rope.rotate(k_r, offset)  # (b, j, d_c), (b, j, d_r)
+        return torch.cat([self.kv_norm(c_kv), self.rope.rotate(k_r, offset)], dim=-1)
 
     def up_weights(self) -> tuple[Tensor, Tensor]:
         """``W_UK (h, d_n, d_c)`` and ``W_UV (h, d_v, d_c)``, the rows of ``kv_up`` per head."""
@@ -263,14 +294,14 @@ class MultiHeadLatentAttention(nn.Module):
         if cache is not None and not isinstance(cache, LatentCache):
             raise TypeError(f"cache must be a LatentCache, got {type(cache).__name__}")
         offset = 0 if cache is None else cache.length
-        c_kv, k_r = self.latents(x, offset)
+        kv = self.latents(x, offset)  # (b, i, d_c + d_r)
         if cache is not None:
-            c_kv, k_r = cache.append(c_kv, k_r)  # (b, j, d_c), (b, j, d_r)
+            kv = cache.append(kv, self.kv_rank)  # (b, j, d_c + d_r)
         q_n, q_r = self.queries(x, offset)
         if absorb is None:
             absorb = cache is not None and offset > x.shape[1]
         out, weights = self.attend(
-            q_n, q_r, c_kv, k_r, mask=mask, is_causal=is_causal, need_weights=need_weights,
+            q_n, q_r, kv, mask=mask, is_causal=is_causal, need_weights=need_weights,
             absorb=absorb,
         )  # fmt: skip
         return self.out_proj(out), weights
@@ -279,21 +310,22 @@ class MultiHeadLatentAttention(nn.Module):
         self,
         q_n: Tensor,
         q_r: Tensor,
-        c_kv: Tensor,
-        k_r: Tensor,
+        kv: Tensor,
         *,
         mask: Tensor | MaskFn | None,
         is_causal: bool,
         need_weights: bool,
         absorb: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        """Attention of ``q_n, q_r (b, h, i, .)`` over the latents ``c_kv (b, j, d_c)``,
-        ``k_r (b, j, d_r)``; ``(o (b, i, h d_v), weights or None)`` before ``out_proj``."""
+        """Attention of ``q_n, q_r (b, h, i, .)`` over the latents ``kv = [c_kv; k_r]``
+        ``(b, j, d_c + d_r)``; ``(o (b, i, h d_v), weights or None)`` before ``out_proj``."""
         b, h, i, _ = q_n.shape
-        if absorb:
+        c_kv, k_r = kv.split([self.kv_rank, self.rope_dim], dim=-1)  # views
+        if absorb and not callable(mask):
+            return self._attend_absorbed(q_n, q_r, kv, mask, is_causal, need_weights)
+        if absorb:  # a mask function sees (b, h, i, j): keep the head axis
             q = self.absorb_query(q_n, q_r)  # (b, h, i, d_c + d_r)
-            k = torch.cat([c_kv, k_r], dim=-1)[:, None]  # (b, 1, j, d_c + d_r): one kv head
-            v = c_kv[:, None]  # (b, 1, j, d_c)
+            k, v = kv[:, None], c_kv[:, None]  # (b, 1, j, d_c + d_r), (b, 1, j, d_c): one head
         else:
             q = torch.cat([q_n, q_r], dim=-1)  # (b, h, i, d_n + d_r)
             k, v = self.expand(c_kv, k_r)  # (b, h, j, d_n + d_r), (b, h, j, d_v)
@@ -305,6 +337,39 @@ class MultiHeadLatentAttention(nn.Module):
         if absorb:
             return self.absorb_output(o), weights  # (b, i, h d_v)
         return o.transpose(1, 2).reshape(b, i, h * self.v_dim), weights
+
+    def _attend_absorbed(
+        self,
+        q_n: Tensor,
+        q_r: Tensor,
+        kv: Tensor,
+        mask: Tensor | None,
+        is_causal: bool,
+        need_weights: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The absorbed form with the heads folded into the query rows: every head reads the
+        same latents, so ``(b, h, i)`` queries are one ``(b, 1, h i)`` block against one key
+        head, and no backend broadcasts (copies) the latents per head. The causal mask then is
+        explicit, ``(h i, j)``, built only when a row can see less than every key."""
+        b, h, i, _ = q_n.shape
+        j = kv.shape[1]
+        q = self.absorb_query(q_n, q_r).reshape(b, 1, h * i, -1)  # (b, 1, h i, d_c + d_r)
+        keep = None
+        if is_causal and i > 1:  # one new query sees every key (it was just appended)
+            keep = causal_mask(i, j, device=q.device)  # (i, j), bottom-right
+        if mask is not None:
+            keep = mask if keep is None else keep & mask
+        if keep is not None:
+            keep = pad_to_rank(keep, 4).expand(b, h, i, j).reshape(b, 1, h * i, j)
+        values = kv[..., : self.kv_rank]  # c_kv, a view
+        result = scaled_dot_product_attention(
+            q, kv[:, None], values[:, None], keep, scale=self.scale,
+            return_weights=need_weights, backend=self.backend,
+        )  # fmt: skip
+        o, weights = result if isinstance(result, tuple) else (result, None)
+        o = o.view(b, h, i, self.kv_rank)  # (b, h, i, d_c)
+        weights = None if weights is None else weights.view(b, h, i, j)
+        return self.absorb_output(o), weights
 
     @classmethod
     def from_transformers(
