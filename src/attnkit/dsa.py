@@ -213,17 +213,18 @@ class _GatherAttention(torch.autograd.Function):
         q, k, v, indices, valid, out, lse = ctx.saved_tensors
         scale, block = ctx.scale, ctx.block
         b, _, i, _ = q.shape
-        j = k.shape[1]
+        j, dv_width = k.shape[1], v.shape[-1]
         work = lse.dtype
         dq = torch.empty(q.shape, dtype=work, device=q.device)
         dk = torch.zeros(b * j, k.shape[-1], dtype=work, device=k.device)
-        dv = torch.zeros(b * j, v.shape[-1], dtype=work, device=v.device)
-        base = (torch.arange(b, device=k.device) * j).view(b, 1, 1)
         tables = _tables(k, v)
+        shared = tables[1] is None  # values are the keys' first channels: one gradient table
+        dv = None if shared else torch.zeros(b * j, dv_width, dtype=work, device=v.device)
+        base = (torch.arange(b, device=k.device) * j).view(b, 1, 1)
         for r0 in range(0, i, block):
             r1 = min(i, r0 + block)
             idx = indices[:, r0:r1]
-            kg, vg = _gather(*tables, v.shape[-1], idx, j, work)
+            kg, vg = _gather(*tables, dv_width, idx, j, work)
             qt = q[:, :, r0:r1].to(work).transpose(1, 2)  # (b, rows, h, d)
             s = _scores(q[:, :, r0:r1].to(work), kg, valid[:, r0:r1], scale)
             p = torch.exp(s - lse[:, :, r0:r1].transpose(1, 2)[..., None])  # (b, rows, h, t)
@@ -233,12 +234,28 @@ class _GatherAttention(torch.autograd.Function):
             dp = do @ vg.transpose(-1, -2)  # (b, rows, h, t)
             ds = p * (dp - (do * o).sum(-1, keepdim=True))  # softmax backward
             dq[:, :, r0:r1] = (ds @ kg).transpose(1, 2) * scale
-            flat = (idx + base).flatten()  # rows of the (b * j) key table
-            dk.index_add_(0, flat, (ds.transpose(-1, -2) @ qt * scale).flatten(0, 2))
-            dv.index_add_(0, flat, (p.transpose(-1, -2) @ do).flatten(0, 2))
+            dk_g = ds.transpose(-1, -2) @ qt * scale  # (b, rows, t, d): per gathered key
+            dv_g = p.transpose(-1, -2) @ do  # (b, rows, t, dv)
+            scatter = _scatter_matrix((idx + base).flatten(), b * j, work)
+            if shared:
+                dk_g[..., :dv_width] += dv_g
+            else:
+                assert dv is not None
+                dv += torch.sparse.mm(scatter, dv_g.flatten(0, 2))
+            dk += torch.sparse.mm(scatter, dk_g.flatten(0, 2))  # sums rows that share a key
         dk = dk.view(b, j, -1).to(k.dtype)
-        dv = dv.view(b, j, -1).to(v.dtype)
+        dv = None if dv is None else dv.view(b, j, -1).to(v.dtype)
         return dq.to(q.dtype), dk, dv, None, None, None, None
+
+
+def _scatter_matrix(rows: Tensor, size: int, dtype: torch.dtype) -> Tensor:
+    """The sparse ``(size, N)`` matrix with a one at ``(rows[n], n)``: times an ``(N, d)``
+    tensor it sums the rows that point at the same key (a segment sum that, on CPU, runs far
+    faster than ``index_add_`` when many rows share a target)."""
+    n = rows.numel()
+    at = torch.stack([rows, torch.arange(n, device=rows.device)])
+    ones = torch.ones(n, dtype=dtype, device=rows.device)
+    return torch.sparse_coo_tensor(at, ones, (size, n), check_invariants=False)
 
 
 def _tables(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
