@@ -368,6 +368,66 @@ def fig_variants_training() -> Any:
     return fig
 
 
+def fig_modern() -> Any:
+    """The three mechanisms of ``docs/concepts/modern.md``: what MLA caches per token against
+    full K/V (DeepSeek-V3's sizes), which keys a lightning indexer picked (a random layer, 24
+    tokens, top-6), and the delta rule's state writing, then overwriting, one key."""
+    from attnkit import DeepSeekSparseAttention, LightningIndexer, MultiHeadLatentAttention
+    from attnkit.gated_delta import gated_delta_rule
+
+    fig = _figure(12.5, 3.0)
+    axes = fig.subplots(1, 4, width_ratios=[1.3, 1, 1, 1])
+    # 1. cache numbers per token and layer, DeepSeek-V3: h = 128, d_h = 128 (+ 64 RoPE), d_c = 512
+    routes = {"MHA, 128 heads": 128 * (192 + 128), "GQA, 8 kv heads": 8 * (192 + 128),
+              "MLA latent + RoPE key": 512 + 64}  # fmt: skip
+    ax = axes[0]
+    ax.barh(list(routes), list(routes.values()), color=["#999999", "#bbbbbb", "#1f77b4"])
+    for y, value in enumerate(routes.values()):
+        ax.text(value, y, f" {value:,}", va="center", fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlim(100, 2e5)
+    ax.tick_params(labelsize=7)
+    ax.set_title("cached numbers per token and layer\n(DeepSeek-V3 sizes)", fontsize=8)
+    # 2. the indexer's picks
+    torch.manual_seed(0)
+    mla = MultiHeadLatentAttention(32, 4, kv_rank=16, nope_dim=8, rope_dim=4, v_dim=8, q_rank=16)
+    dsa = DeepSeekSparseAttention(mla, LightningIndexer(32, 16, 8, 8, rope_dim=4, top_k=6))
+    x = torch.randn(1, 24, 32)
+    with torch.no_grad():
+        c_q = mla.query_latent(x)
+        indices, valid = dsa.indexer.select(x, c_q, dsa.indexer.keys(x, 0))
+    picked = torch.zeros(24, 24).scatter_(-1, indices[0], valid[0].float())
+    causal = torch.ones(24, 24).tril()
+    ax = axes[1]
+    ax.imshow((causal * 0.25 + picked * 0.75).numpy(), cmap="Blues", vmin=0, vmax=1,
+              interpolation="nearest")  # fmt: skip
+    ax.set_title("keys the indexer kept (top-6, dark)\nout of the causal ones (light)", fontsize=8)
+    ax.set_xlabel("key j", fontsize=7)
+    ax.set_ylabel("query i", fontsize=7)
+    ax.tick_params(labelsize=6)
+    # 3-4. the delta rule: write values under 4 keys, then write key 1 again
+    d = 6
+    keys = torch.eye(d)[[0, 1, 2, 3, 1]]  # key 1 comes back at t = 4
+    values = torch.tensor([[1.0, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0],
+                           [0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, 1]])  # fmt: skip
+    q = torch.zeros(1, 1, 5, d)
+    states = []
+    for t in (4, 5):
+        _, state = gated_delta_rule(q[:, :, :t], keys[None, None, :t], values[None, None, :t],
+                                    torch.zeros(1, 1, t), torch.ones(1, 1, t),
+                                    output_final_state=True, method="recurrent")  # fmt: skip
+        states.append(state[0, 0])
+    titles = ["state S after writing keys 0-3\n(S = sum k v^T)",
+              "key 1 written again (beta = 1):\nthe delta rule replaces its value"]  # fmt: skip
+    for ax, state, title in zip(axes[2:], states, titles, strict=True):
+        ax.imshow(state.numpy(), cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
+        ax.set_title(title, fontsize=8)
+        ax.set_xlabel("value channel", fontsize=7)
+        ax.set_ylabel("key channel", fontsize=7)
+        ax.tick_params(labelsize=6)
+    return fig
+
+
 FIGURES: dict[str, Callable[[], Any]] = {
     name.removeprefix("fig_"): fn
     for name, fn in sorted(globals().items())

@@ -27,7 +27,10 @@ if TYPE_CHECKING:  # the same names, for type checkers and readers; loaded on fi
     from attnkit.backends.tiled import tiled_attention
     from attnkit.blocks import FeedForward, TransformerBlock
     from attnkit.debug import inspect_attention
+    from attnkit.dsa import DeepSeekSparseAttention, LightningIndexer
     from attnkit.functional import scaled_dot_product_attention
+    from attnkit.gated_delta import GatedDeltaNet, gated_delta_rule
+    from attnkit.mla import MultiHeadLatentAttention
     from attnkit.norms import RMSNorm
     from attnkit.positional import (
         LearnedPositionalEmbedding,
@@ -55,7 +58,12 @@ _NAMES = {
     "FeedForward": "attnkit.blocks",
     "TransformerBlock": "attnkit.blocks",
     "inspect_attention": "attnkit.debug",
+    "DeepSeekSparseAttention": "attnkit.dsa",
+    "LightningIndexer": "attnkit.dsa",
     "scaled_dot_product_attention": "attnkit.functional",
+    "GatedDeltaNet": "attnkit.gated_delta",
+    "gated_delta_rule": "attnkit.gated_delta",
+    "MultiHeadLatentAttention": "attnkit.mla",
     "RMSNorm": "attnkit.norms",
     "LearnedPositionalEmbedding": "attnkit.positional",
     "RelativePositionAttention": "attnkit.positional",
@@ -91,10 +99,14 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AttentionVariants",
+    "DeepSeekSparseAttention",
     "FeedForward",
+    "GatedDeltaNet",
     "KVCache",
     "LearnedPositionalEmbedding",
+    "LightningIndexer",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "RMSNorm",
     "RelativePositionAttention",
     "RotaryEmbedding",
@@ -110,6 +122,7 @@ __all__ = [
     "available_backends",
     "backends",
     "distributed",
+    "gated_delta_rule",
     "inspect_attention",
     "linear_attention",
     "masks",

@@ -1,0 +1,206 @@
+"""DeepSeek sparse attention against transformers' DeepseekV32Attention with its indexer (a
+float64 copy of its math, see ``hf_float64``), the sparse gather kernel against the masked
+reference (outputs and every gradient) and against a brute-force top-k, cached decoding against
+the full forward, and bad input.
+
+The indexer's ReLU makes exact ties possible (every head at zero for two keys), and ``topk``
+may break a tie either way; 16 indexer heads make such a tie a 2^-16 event per key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit import DeepSeekSparseAttention, LightningIndexer, MultiHeadLatentAttention
+from attnkit.dsa import SparseLatentCache, gather_attention
+
+pytest.importorskip("transformers")
+from hf_float64 import float64_module
+
+F64 = torch.float64
+V32 = "deepseek_v32.modeling_deepseek_v32"
+E, H, D_C, D_Q, D_N, D_R, D_V = 32, 4, 10, 12, 6, 4, 5
+TOP_K = 5
+
+
+def _hf(module, dtype=F64, **overrides):
+    from transformers import DeepseekV32Config
+
+    settings = dict(
+        hidden_size=E,
+        num_attention_heads=H,
+        num_key_value_heads=H,
+        q_lora_rank=D_Q,
+        kv_lora_rank=D_C,
+        qk_nope_head_dim=D_N,
+        qk_rope_head_dim=D_R,
+        v_head_dim=D_V,
+        vocab_size=50,
+        num_hidden_layers=1,
+        intermediate_size=16,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+        attn_implementation="eager",
+        index_topk=TOP_K,
+        index_n_heads=16,
+        index_head_dim=8,
+    )
+    settings.update(overrides)
+    config = DeepseekV32Config(**settings)
+    torch.manual_seed(0)
+    attention = module.DeepseekV32Attention(config, 0).to(dtype)
+    with torch.no_grad():
+        for name, p in attention.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.uniform_(0.5, 1.5)
+        attention.indexer.k_norm.bias.normal_()
+    return attention, module.DeepseekV32RotaryEmbedding(config).to(dtype)
+
+
+def _hf_forward(attention, rotary, x):
+    b, n, _ = x.shape
+    positions = torch.arange(n)[None]
+    cos, sin = rotary(x, positions)
+    blocked = torch.finfo(x.dtype).min
+    mask = torch.full((n, n), blocked, dtype=x.dtype).triu(1).expand(b, 1, n, n)
+    return attention(x, (cos, sin), mask, position_ids=positions)[0]
+
+
+@pytest.mark.parametrize("method", ["sparse", "masked"])
+def test_equals_transformers_in_float64_with_input_gradients(method):
+    hf, rotary = _hf(float64_module(V32))
+    ours = DeepSeekSparseAttention.from_transformers(hf, backend="math")
+    x = torch.randn(2, 15, E, dtype=F64, requires_grad=True)
+    ref = _hf_forward(hf, rotary, x)
+    out, weights = ours(x, method=method)
+    assert weights is None
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    w = torch.randn_like(ref)
+    (g_ref,) = torch.autograd.grad((ref * w).sum(), x)
+    (g_out,) = torch.autograd.grad((out * w).sum(), x)
+    torch.testing.assert_close(g_out, g_ref, rtol=0, atol=1e-10)
+
+
+def test_matches_the_float32_transformers_module():
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32
+
+    hf, rotary = _hf(modeling_deepseek_v32, dtype=torch.float32)
+    ours = DeepSeekSparseAttention.from_transformers(hf)
+    x = torch.randn(2, 11, E)
+    torch.testing.assert_close(ours(x)[0], _hf_forward(hf, rotary, x), rtol=0, atol=2e-5)
+
+
+def _module(top_k=TOP_K, block=4):
+    torch.manual_seed(2)
+    mla = MultiHeadLatentAttention(
+        E, H, kv_rank=D_C, nope_dim=D_N, rope_dim=D_R, v_dim=D_V, q_rank=D_Q
+    )
+    indexer = LightningIndexer(E, D_Q, 16, 8, rope_dim=D_R, top_k=top_k)
+    return DeepSeekSparseAttention(mla, indexer, block=block).double()
+
+
+def test_sparse_equals_masked_with_all_gradients():
+    m = _module()
+    x = torch.randn(2, 21, E, dtype=F64, requires_grad=True)
+    params = [x, *m.attention.parameters()]
+    results = []
+    for method in ("masked", "sparse"):
+        out, _ = m(x, method=method)
+        results.append((out, torch.autograd.grad(out.pow(2).sum(), params)))
+    (o1, g1), (o2, g2) = results
+    torch.testing.assert_close(o2, o1, rtol=0, atol=1e-10)
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+
+
+def test_indexer_keeps_the_top_k_visible_keys():
+    m = _module()
+    x = torch.randn(2, 12, E, dtype=F64)
+    idx = m.indexer
+    c_q = m.attention.query_latent(x)
+    keys = idx.keys(x, 0)
+    indices, valid = idx.select(x, c_q, keys, block=5)
+    scores = idx.scores(idx.queries(c_q, 0), idx.head_weights(x), keys)  # (b, i, j), all of it
+    for b in range(2):
+        for i in range(12):
+            picked = set(indices[b, i][valid[b, i]].tolist())
+            visible = scores[b, i, : i + 1]
+            want = set(visible.topk(min(TOP_K, i + 1)).indices.tolist())
+            assert picked == want, (b, i)
+
+
+def test_gather_attention_equals_masked_softmax_and_gradcheck():
+    gen = torch.Generator().manual_seed(3)
+    b, h, i, j, d, dv, t = 2, 3, 9, 11, 5, 4, 4
+    q = torch.randn(b, h, i, d, generator=gen, dtype=F64, requires_grad=True)
+    k = torch.randn(b, j, d, generator=gen, dtype=F64, requires_grad=True)
+    v = torch.randn(b, j, dv, generator=gen, dtype=F64, requires_grad=True)
+    indices = torch.stack([torch.randperm(j, generator=gen)[:t] for _ in range(b * i)])
+    indices = indices.view(b, i, t)
+    valid = torch.rand(b, i, t, generator=gen) > 0.3
+    valid[..., 0] = True
+    out = gather_attention(q, k, v, indices, valid, block=4)
+    keep = torch.zeros(b, i, j, dtype=torch.bool).scatter_(-1, indices, valid)[:, None]
+    scores = (q @ k[:, None].transpose(-1, -2)) * d**-0.5
+    ref = scores.masked_fill(~keep, float("-inf")).softmax(-1) @ v[:, None]
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: gather_attention(q, k, v, indices, valid, block=4), (q, k, v)
+    )
+
+
+def test_cached_decoding_equals_the_full_forward():
+    m = _module()
+    x = torch.randn(2, 14, E, dtype=F64)
+    full, _ = m(x)
+    cache = SparseLatentCache()
+    steps = [m(x[:, :6], cache=cache)[0]]
+    for t in range(6, 14):
+        steps.append(m(x[:, t : t + 1], cache=cache)[0])
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-10)
+    assert cache.index_key.shape == (2, 14, 8)
+    assert cache.nbytes() == 2 * 14 * (D_C + D_R + 8) * 8
+
+
+def test_with_top_k_above_the_length_it_is_dense_causal_mla():
+    m = _module(top_k=64)
+    x = torch.randn(1, 10, E, dtype=F64)
+    torch.testing.assert_close(m(x)[0], m.attention(x)[0], rtol=0, atol=1e-10)
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="top_k"):
+        LightningIndexer(E, D_Q, 4, 8, rope_dim=D_R, top_k=0)
+    with pytest.raises(ValueError, match="rope_dim must be even and at most head_dim"):
+        LightningIndexer(E, D_Q, 4, 8, rope_dim=10, top_k=4)
+    mla = MultiHeadLatentAttention(E, H, kv_rank=D_C, nope_dim=D_N, rope_dim=D_R, v_dim=D_V)
+    with pytest.raises(ValueError, match="q_rank"):
+        DeepSeekSparseAttention(mla, LightningIndexer(E, D_Q, 4, 8, rope_dim=D_R, top_k=4))
+    m = _module()
+    with pytest.raises(ValueError, match="method"):
+        m(torch.randn(1, 3, E, dtype=F64), method="dense")
+    with pytest.raises(TypeError, match="SparseLatentCache"):
+        m(torch.randn(1, 3, E, dtype=F64), cache=[])
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 5, 4), torch.randn(1, 5, 4)
+    with pytest.raises(ValueError, match="top-k of 6 keys per query out of j=5"):
+        gather_attention(q, k, v, torch.zeros(1, 3, 6, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"indices must lie in \[0, j=5\)"):
+        gather_attention(q, k, v, torch.full((1, 3, 2), 5))
+    with pytest.raises(ValueError, match="indices must be integers"):
+        gather_attention(q, k, v, torch.zeros(1, 3, 2))
+    with pytest.raises(TypeError, match="DeepseekV32Attention"):
+        DeepSeekSparseAttention.from_transformers(torch.nn.Linear(2, 2))
+
+
+def test_a_small_deepseek_v32_model_equals_transformers_and_generates_the_same():
+    """Two layers of DSA (top-5 of up to 17 keys) + SwiGLU: logits in float64 against
+    DeepseekV32ForCausalLM with the same weights, and greedy decoding through
+    SparseLatentCaches against its generate()."""
+    from modern_oracles import deepseek_pair
+
+    hf, ours = deepseek_pair(sparse=True)
+    ids = torch.randint(0, 53, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=0, atol=1e-10)
+    expected = hf.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    assert torch.equal(ours.greedy(ids[:1], 6), expected)
