@@ -22,8 +22,9 @@
 //
 // Shape vocabulary: m rows of x (tokens), n rows of W (output features), k values per row
 // (input features). The products read 32 values at a time (a "unit": one Q4/Q8 block, an
-// eighth of a Q6_K block, 32 plain values), de-quantised in registers by one small function per
-// kind and instruction set, each next to its scalar twin:
+// eighth of a Q6_K block, 32 plain values), de-quantised in registers: per instruction set, a
+// few small functions widen stored bits to 32 floats (each with its scalar twin), and one
+// function per kind scales them as its layout says:
 //
 //   dequantize(w, kind, k)       (n, k) float32, equal to gguf.quants.dequantize
 //   qmatmul(x, w, kind, out)     out = x @ dequantize(w)^T, float32 accumulation:
@@ -47,13 +48,13 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include <array>
 #include <cstring>
+#include <numeric>
 #include <sstream>
 
 // dequantize() must equal gguf's numpy bit for bit: Q4_1's q d + m is a product rounded to
-// float32 and then a sum, never one fused multiply-add (the matrix products use FMAs by
-// explicit intrinsics, which this does not affect).
+// float32 and then a sum, never one fused multiply-add (the compiler may not contract them;
+// the products' FMAs are explicit intrinsics, which this does not affect).
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
@@ -103,60 +104,6 @@ inline float bfloat(const uint8_t* p) {
   return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()));
 }
 
-// ---------------------------------------------------------------------------------------------
-// Scalar twins: unit u of a row (32 values) into out[32]. These are the reference the vector
-// versions below follow line for line, and the portable path.
-
-void unit_q4_0_scalar(const uint8_t* row, int64_t u, float* out) {
-  const uint8_t* b = row + u * 18;  // f16 d, qs[16]
-  const float d = half(b);
-  for (int l = 0; l < 16; l++) {
-    out[l] = d * static_cast<float>((b[2 + l] & 0x0F) - 8);
-    out[l + 16] = d * static_cast<float>((b[2 + l] >> 4) - 8);
-  }
-}
-
-void unit_q4_1_scalar(const uint8_t* row, int64_t u, float* out) {
-  const uint8_t* b = row + u * 20;  // f16 d, f16 m, qs[16]
-  const float d = half(b), m = half(b + 2);
-  for (int l = 0; l < 16; l++) {
-    out[l] = d * static_cast<float>(b[4 + l] & 0x0F) + m;
-    out[l + 16] = d * static_cast<float>(b[4 + l] >> 4) + m;
-  }
-}
-
-void unit_q8_0_scalar(const uint8_t* row, int64_t u, float* out) {
-  const uint8_t* b = row + u * 34;  // f16 d, int8 q[32]
-  const float d = half(b);
-  for (int l = 0; l < 32; l++) out[l] = static_cast<float>(static_cast<int8_t>(b[2 + l])) * d;
-}
-
-void unit_q6_k_scalar(const uint8_t* row, int64_t u, float* out) {
-  const uint8_t* b = row + (u / 8) * 210;  // ql[128], qh[64], int8 sc[16], f16 d
-  const int64_t h = (u % 8) / 4, s = u % 4;  // elements 128 h + 32 s + (0..31)
-  const uint8_t* ql = b + 64 * h + 32 * (s % 2);
-  const uint8_t* qh = b + 128 + 32 * h;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * s;
-  const float d = half(b + 208);
-  const float dl[2] = {d * static_cast<float>(sc[0]), d * static_cast<float>(sc[1])};
-  for (int l = 0; l < 32; l++) {
-    const int q = ((ql[l] >> (4 * (s / 2))) & 0x0F) | (((qh[l] >> (2 * s)) & 3) << 4);
-    out[l] = dl[l / 16] * static_cast<float>(q - 32);
-  }
-}
-
-void unit_f32_scalar(const uint8_t* row, int64_t u, float* out) {
-  std::memcpy(out, row + u * UNIT * 4, UNIT * 4);
-}
-
-void unit_f16_scalar(const uint8_t* row, int64_t u, float* out) {
-  for (int l = 0; l < 32; l++) out[l] = half(row + (u * UNIT + l) * 2);
-}
-
-void unit_bf16_scalar(const uint8_t* row, int64_t u, float* out) {
-  for (int l = 0; l < 32; l++) out[l] = bfloat(row + (u * UNIT + l) * 2);
-}
-
 // One value of a plain row (F32, F16, BF16: the values past the last whole unit).
 inline float plain_value(const uint8_t* row, int64_t kind, int64_t e) {
   if (kind == F32) {
@@ -168,8 +115,48 @@ inline float plain_value(const uint8_t* row, int64_t kind, int64_t e) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The vector types: a Unit is 32 de-quantised values in registers (2 AVX-512 vectors, 4 AVX2
-// vectors, or 32 floats on the portable path).
+// The instruction sets. A Unit is 32 values in registers: 2 AVX-512 vectors, 4 AVX2 vectors or
+// 32 floats. What differs between the sets is how stored bits become 32 floats: the "widening"
+// functions below, the scalar twins first (the portable path, and the reference each vector
+// version follows); the arithmetic on the floats is written once, after them.
+//
+//   nibbles(qs, offset)   Q4: 16 bytes -> elements 0..15 (low nibbles), 16..31 (high), minus offset
+//   int8s(q)              Q8_0: 32 int8
+//   q6_bits(ql, qh, s)    Q6_K: a unit's 6-bit q - 32 (ql nibble s / 2, qh bits 2 s, 2 s + 1)
+//   halves, bfloats, floats: 32 plain values
+
+// The scalar twins (the portable path, and the reference the vector versions follow).
+namespace scalar {
+
+void nibbles(const uint8_t* qs, int offset, float* out) {
+  for (int l = 0; l < 16; l++) {
+    out[l] = static_cast<float>((qs[l] & 0x0F) - offset);
+    out[l + 16] = static_cast<float>((qs[l] >> 4) - offset);
+  }
+}
+
+void int8s(const uint8_t* q, float* out) {
+  for (int l = 0; l < 32; l++) out[l] = static_cast<float>(static_cast<int8_t>(q[l]));
+}
+
+void q6_bits(const uint8_t* ql, const uint8_t* qh, int s, float* out) {
+  for (int l = 0; l < 32; l++) {
+    const int q = ((ql[l] >> (4 * (s / 2))) & 0x0F) | (((qh[l] >> (2 * s)) & 3) << 4);
+    out[l] = static_cast<float>(q - 32);
+  }
+}
+
+void halves(const uint8_t* p, float* out) {
+  for (int l = 0; l < 32; l++) out[l] = half(p + 2 * l);
+}
+
+void bfloats(const uint8_t* p, float* out) {
+  for (int l = 0; l < 32; l++) out[l] = bfloat(p + 2 * l);
+}
+
+void floats(const uint8_t* p, float* out) { std::memcpy(out, p, 32 * 4); }
+
+}  // namespace scalar
 
 #if defined(CPU_CAPABILITY_AVX512)
 
@@ -179,8 +166,61 @@ inline V vzero() { return _mm512_setzero_ps(); }
 inline V vset(float a) { return _mm512_set1_ps(a); }
 inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
+struct Unit {
+  V v[2];
+};
+
+inline V int32s(__m512i q) { return _mm512_cvtepi32_ps(q); }
+
+inline Unit nibbles(const uint8_t* qs, int offset) {  // lane j: byte j, elements j and j + 16
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m512i o = _mm512_set1_epi32(offset);
+  return {{int32s(_mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)), o)),
+           int32s(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), o))}};
+}
+
+inline Unit int8s(const uint8_t* q) {
+  const __m128i* p = reinterpret_cast<const __m128i*>(q);
+  return {{int32s(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))),
+           int32s(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)))}};
+}
+
+inline Unit q6_bits(const uint8_t* ql, const uint8_t* qh, int s) {
+  const __m256i low = _mm256_and_si256(
+      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql)),
+                       _mm_cvtsi32_si128(4 * (s / 2))),
+      _mm256_set1_epi8(0x0F));
+  const __m256i top = _mm256_and_si256(
+      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)),
+                       _mm_cvtsi32_si128(2 * s)),
+      _mm256_set1_epi8(3));
+  const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)),
+                                    _mm256_set1_epi8(32));  // -32..31
+  return {{int32s(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
+           int32s(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))}};
+}
+
+inline Unit halves(const uint8_t* p) {
+  const __m256i* h = reinterpret_cast<const __m256i*>(p);
+  return {{_mm512_cvtph_ps(_mm256_loadu_si256(h)), _mm512_cvtph_ps(_mm256_loadu_si256(h + 1))}};
+}
+
+inline Unit bfloats(const uint8_t* p) {  // bfloat16 bits << 16 = float32 bits
+  const __m256i* h = reinterpret_cast<const __m256i*>(p);
+  auto widen = [](__m256i x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+  };
+  return {{widen(_mm256_loadu_si256(h)), widen(_mm256_loadu_si256(h + 1))}};
+}
+
+inline Unit floats(const uint8_t* p) {
+  const float* f = reinterpret_cast<const float*>(p);
+  return {{vload(f), vload(f + 16)}};
+}
 
 #elif defined(CPU_CAPABILITY_AVX2)
 
@@ -190,6 +230,8 @@ inline V vzero() { return _mm256_setzero_ps(); }
 inline V vset(float a) { return _mm256_set1_ps(a); }
 inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline float vsum(V a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -197,8 +239,67 @@ inline float vsum(V a) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+struct Unit {
+  V v[4];
+};
 
-#else
+inline V int32s(__m256i q) { return _mm256_cvtepi32_ps(q); }
+inline __m128i load8(const uint8_t* p) {
+  return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+}
+
+inline Unit nibbles(const uint8_t* qs, int offset) {  // lane j: byte j, elements j and j + 16
+  const __m256i q0 = _mm256_cvtepu8_epi32(load8(qs)), q1 = _mm256_cvtepu8_epi32(load8(qs + 8));
+  const __m256i o = _mm256_set1_epi32(offset), f = _mm256_set1_epi32(0x0F);
+  return {{int32s(_mm256_sub_epi32(_mm256_and_si256(q0, f), o)),
+           int32s(_mm256_sub_epi32(_mm256_and_si256(q1, f), o)),
+           int32s(_mm256_sub_epi32(_mm256_srli_epi32(q0, 4), o)),
+           int32s(_mm256_sub_epi32(_mm256_srli_epi32(q1, 4), o))}};
+}
+
+inline Unit int8s(const uint8_t* q) {
+  return {{int32s(_mm256_cvtepi8_epi32(load8(q))), int32s(_mm256_cvtepi8_epi32(load8(q + 8))),
+           int32s(_mm256_cvtepi8_epi32(load8(q + 16))),
+           int32s(_mm256_cvtepi8_epi32(load8(q + 24)))}};
+}
+
+inline Unit q6_bits(const uint8_t* ql, const uint8_t* qh, int s) {
+  const __m256i low = _mm256_and_si256(
+      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql)),
+                       _mm_cvtsi32_si128(4 * (s / 2))),
+      _mm256_set1_epi8(0x0F));
+  const __m256i top = _mm256_and_si256(
+      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)),
+                       _mm_cvtsi32_si128(2 * s)),
+      _mm256_set1_epi8(3));
+  const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)),
+                                    _mm256_set1_epi8(32));  // -32..31
+  const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+  return {{int32s(_mm256_cvtepi8_epi32(q0)), int32s(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q0, q0))),
+           int32s(_mm256_cvtepi8_epi32(q1)), int32s(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q1, q1)))}};
+}
+
+inline Unit halves(const uint8_t* p) {
+  const __m128i* h = reinterpret_cast<const __m128i*>(p);
+  return {{_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1)),
+           _mm256_cvtph_ps(_mm_loadu_si128(h + 2)), _mm256_cvtph_ps(_mm_loadu_si128(h + 3))}};
+}
+
+inline Unit bfloats(const uint8_t* p) {  // bfloat16 bits << 16 = float32 bits
+  const __m128i* h = reinterpret_cast<const __m128i*>(p);
+  auto widen = [](__m128i x) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+  };
+  return {{widen(_mm_loadu_si128(h)), widen(_mm_loadu_si128(h + 1)),
+           widen(_mm_loadu_si128(h + 2)), widen(_mm_loadu_si128(h + 3))}};
+}
+
+inline Unit floats(const uint8_t* p) {
+  const float* f = reinterpret_cast<const float*>(p);
+  return {{vload(f), vload(f + 8), vload(f + 16), vload(f + 24)}};
+}
+
+#else  // the portable path: the scalar twins themselves
 
 constexpr int VL = 1;
 using V = float;
@@ -206,212 +307,101 @@ inline V vzero() { return 0.0f; }
 inline V vset(float a) { return a; }
 inline V vload(const float* p) { return *p; }
 inline void vstore(float* p, V a) { *p = a; }
+inline V vadd(V a, V b) { return a + b; }
+inline V vmul(V a, V b) { return a * b; }
 inline V vfma(V a, V b, V c) { return a * b + c; }
 inline float vsum(V a) { return a; }
+struct Unit {
+  V v[32];
+};
+
+inline Unit nibbles(const uint8_t* qs, int offset) {
+  Unit u;
+  scalar::nibbles(qs, offset, u.v);
+  return u;
+}
+inline Unit int8s(const uint8_t* q) {
+  Unit u;
+  scalar::int8s(q, u.v);
+  return u;
+}
+inline Unit q6_bits(const uint8_t* ql, const uint8_t* qh, int s) {
+  Unit u;
+  scalar::q6_bits(ql, qh, s, u.v);
+  return u;
+}
+inline Unit halves(const uint8_t* p) {
+  Unit u;
+  scalar::halves(p, u.v);
+  return u;
+}
+inline Unit bfloats(const uint8_t* p) {
+  Unit u;
+  scalar::bfloats(p, u.v);
+  return u;
+}
+inline Unit floats(const uint8_t* p) {
+  Unit u;
+  scalar::floats(p, u.v);
+  return u;
+}
 
 #endif
 
 constexpr int NV = UNIT / VL;  // vectors per unit
-struct Unit {
-  V v[NV];
-};
 
-// The vector twins. Each returns unit u of a row as in its scalar twin above.
+// ---------------------------------------------------------------------------------------------
+// Unit u of a row of each kind, the products in gguf's order (de-quantised values equal gguf's
+// bit for bit).
 
-#if defined(CPU_CAPABILITY_AVX512)
-
-// 16 bytes (int8) to 16 floats.
-inline V i8_to_float(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
-
-// The 16 bytes of Q4 nibbles widened to one int32 lane per byte: lane j holds elements j (low
-// nibble) and j + 16 (high nibble).
-inline __m512i nibbles(const uint8_t* qs) {
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+inline Unit scaled(Unit q, float d) {  // q d
+  for (int v = 0; v < NV; v++) q.v[v] = vmul(q.v[v], vset(d));
+  return q;
 }
-inline V low_nibbles(__m512i q) { return _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F))); }
-inline V high_nibbles(__m512i q) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)); }
 
-inline Unit unit_q4_0(const uint8_t* row, int64_t u) {
+inline Unit unit_q4_0(const uint8_t* row, int64_t u) {  // f16 d, qs[16]: (q - 8) d
   const uint8_t* b = row + u * 18;
-  const V d = vset(half(b)), eight = vset(8.0f);
-  const __m512i q = nibbles(b + 2);
-  return {{_mm512_mul_ps(d, _mm512_sub_ps(low_nibbles(q), eight)),      // (q - 8) is exact
-           _mm512_mul_ps(d, _mm512_sub_ps(high_nibbles(q), eight))}};
+  return scaled(nibbles(b + 2, 8), half(b));
 }
 
-// fused: q d + m as one FMA (the products); else rounded twice, as gguf (dequantize).
-template <bool fused>
-inline Unit unit_q4_1(const uint8_t* row, int64_t u) {
+inline Unit unit_q4_1(const uint8_t* row, int64_t u) {  // f16 d, f16 m, qs[16]: q d + m
   const uint8_t* b = row + u * 20;
   const V d = vset(half(b)), m = vset(half(b + 2));
-  const __m512i q = nibbles(b + 4);
-  const V low = low_nibbles(q), high = high_nibbles(q);
-  if constexpr (fused) return {{_mm512_fmadd_ps(d, low, m), _mm512_fmadd_ps(d, high, m)}};
-  return {{_mm512_add_ps(_mm512_mul_ps(d, low), m), _mm512_add_ps(_mm512_mul_ps(d, high), m)}};
+  Unit q = nibbles(b + 4, 0);
+  for (int v = 0; v < NV; v++) q.v[v] = vadd(vmul(q.v[v], d), m);  // rounded twice, as gguf
+  return q;
 }
 
-inline Unit unit_q8_0(const uint8_t* row, int64_t u) {
+inline Unit unit_q8_0(const uint8_t* row, int64_t u) {  // f16 d, int8 q[32]: q d
   const uint8_t* b = row + u * 34;
-  const V d = vset(half(b));
-  const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
-  return {{_mm512_mul_ps(i8_to_float(_mm_loadu_si128(q)), d),
-           _mm512_mul_ps(i8_to_float(_mm_loadu_si128(q + 1)), d)}};
+  return scaled(int8s(b + 2), half(b));
 }
 
+// Q6_K: ql[128], qh[64], int8 sc[16], f16 d; unit u is elements 128 h + 32 s + (0..31) of
+// block u / 8, scaled by (d sc[8 h + 2 s]) for its first 16 and (d sc[8 h + 2 s + 1]) after.
 inline Unit unit_q6_k(const uint8_t* row, int64_t u) {
   const uint8_t* b = row + (u / 8) * 210;
-  const int64_t h = (u % 8) / 4, s = u % 4;
+  const int h = static_cast<int>(u % 8) / 4, s = static_cast<int>(u % 4);
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * s;
   const float d = half(b + 208);
-  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (s % 2)));
-  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-  const __m256i low = _mm256_and_si256(
-      _mm256_srl_epi16(ql, _mm_cvtsi32_si128(static_cast<int>(4 * (s / 2)))), _mm256_set1_epi8(0x0F));
-  const __m256i top = _mm256_and_si256(
-      _mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(2 * s))), _mm256_set1_epi8(3));
-  const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)),
-                                    _mm256_set1_epi8(32));  // -32..31
-  return {{_mm512_mul_ps(vset(d * static_cast<float>(sc[0])), i8_to_float(_mm256_castsi256_si128(q))),
-           _mm512_mul_ps(vset(d * static_cast<float>(sc[1])), i8_to_float(_mm256_extracti128_si256(q, 1)))}};
+  const V dl[2] = {vset(d * static_cast<float>(sc[0])), vset(d * static_cast<float>(sc[1]))};
+  Unit q = q6_bits(b + 64 * h + 32 * (s % 2), b + 128 + 32 * h, s);
+  for (int v = 0; v < NV; v++) q.v[v] = vmul(dl[v / (NV / 2)], q.v[v]);
+  return q;
 }
 
-inline Unit unit_f32(const uint8_t* row, int64_t u) {
-  const float* p = reinterpret_cast<const float*>(row) + u * UNIT;
-  return {{vload(p), vload(p + 16)}};
-}
-
-inline Unit unit_f16(const uint8_t* row, int64_t u) {
-  const __m256i* p = reinterpret_cast<const __m256i*>(row + u * UNIT * 2);
-  return {{_mm512_cvtph_ps(_mm256_loadu_si256(p)), _mm512_cvtph_ps(_mm256_loadu_si256(p + 1))}};
-}
-
-inline Unit unit_bf16(const uint8_t* row, int64_t u) {  // bfloat16 bits << 16 = float32 bits
-  const __m256i* p = reinterpret_cast<const __m256i*>(row + u * UNIT * 2);
-  auto widen = [](__m256i x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-  };
-  return {{widen(_mm256_loadu_si256(p)), widen(_mm256_loadu_si256(p + 1))}};
-}
-
-#elif defined(CPU_CAPABILITY_AVX2)
-
-// 8 bytes (int8, the low half of q) to 8 floats.
-inline V i8_to_float(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
-inline __m128i upper8(__m128i q) { return _mm_unpackhi_epi64(q, q); }
-
-// Bytes qs[8 h .. 8 h + 7] of Q4 nibbles widened to one int32 lane per byte: lane j holds
-// elements 8 h + j (low nibble) and 8 h + j + 16 (high nibble).
-inline __m256i nibbles(const uint8_t* qs, int h) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * h)));
-}
-inline V low_nibbles(__m256i q) { return _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F))); }
-inline V high_nibbles(__m256i q) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)); }
-
-inline Unit unit_q4_0(const uint8_t* row, int64_t u) {
-  const uint8_t* b = row + u * 18;
-  const V d = vset(half(b)), eight = vset(8.0f);
-  const __m256i q0 = nibbles(b + 2, 0), q1 = nibbles(b + 2, 1);
-  auto value = [&](V q) { return _mm256_mul_ps(d, _mm256_sub_ps(q, eight)); };  // q - 8: exact
-  return {{value(low_nibbles(q0)), value(low_nibbles(q1)), value(high_nibbles(q0)),
-           value(high_nibbles(q1))}};
-}
-
-// fused: q d + m as one FMA (the products); else rounded twice, as gguf (dequantize).
-template <bool fused>
-inline Unit unit_q4_1(const uint8_t* row, int64_t u) {
-  const uint8_t* b = row + u * 20;
-  const V d = vset(half(b)), m = vset(half(b + 2));
-  const __m256i q0 = nibbles(b + 4, 0), q1 = nibbles(b + 4, 1);
-  auto value = [&](V q) {
-    if constexpr (fused) return _mm256_fmadd_ps(d, q, m);
-    return _mm256_add_ps(_mm256_mul_ps(d, q), m);
-  };
-  return {{value(low_nibbles(q0)), value(low_nibbles(q1)), value(high_nibbles(q0)),
-           value(high_nibbles(q1))}};
-}
-
-inline Unit unit_q8_0(const uint8_t* row, int64_t u) {
-  const uint8_t* b = row + u * 34;
-  const V d = vset(half(b));
-  const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
-  const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
-  return {{_mm256_mul_ps(i8_to_float(q0), d), _mm256_mul_ps(i8_to_float(upper8(q0)), d),
-           _mm256_mul_ps(i8_to_float(q1), d), _mm256_mul_ps(i8_to_float(upper8(q1)), d)}};
-}
-
-inline Unit unit_q6_k(const uint8_t* row, int64_t u) {
-  const uint8_t* b = row + (u / 8) * 210;
-  const int64_t h = (u % 8) / 4, s = u % 4;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * s;
-  const float d = half(b + 208);
-  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (s % 2)));
-  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-  const __m256i low = _mm256_and_si256(
-      _mm256_srl_epi16(ql, _mm_cvtsi32_si128(static_cast<int>(4 * (s / 2)))), _mm256_set1_epi8(0x0F));
-  const __m256i top = _mm256_and_si256(
-      _mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(2 * s))), _mm256_set1_epi8(3));
-  const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)),
-                                    _mm256_set1_epi8(32));  // -32..31
-  const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
-  const V d0 = vset(d * static_cast<float>(sc[0])), d1 = vset(d * static_cast<float>(sc[1]));
-  return {{_mm256_mul_ps(d0, i8_to_float(q0)), _mm256_mul_ps(d0, i8_to_float(upper8(q0))),
-           _mm256_mul_ps(d1, i8_to_float(q1)), _mm256_mul_ps(d1, i8_to_float(upper8(q1)))}};
-}
-
-inline Unit unit_f32(const uint8_t* row, int64_t u) {
-  const float* p = reinterpret_cast<const float*>(row) + u * UNIT;
-  return {{vload(p), vload(p + 8), vload(p + 16), vload(p + 24)}};
-}
-
-inline Unit unit_f16(const uint8_t* row, int64_t u) {
-  const __m128i* p = reinterpret_cast<const __m128i*>(row + u * UNIT * 2);
-  return {{_mm256_cvtph_ps(_mm_loadu_si128(p)), _mm256_cvtph_ps(_mm_loadu_si128(p + 1)),
-           _mm256_cvtph_ps(_mm_loadu_si128(p + 2)), _mm256_cvtph_ps(_mm_loadu_si128(p + 3))}};
-}
-
-inline Unit unit_bf16(const uint8_t* row, int64_t u) {  // bfloat16 bits << 16 = float32 bits
-  const __m128i* p = reinterpret_cast<const __m128i*>(row + u * UNIT * 2);
-  auto widen = [](__m128i x) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
-  };
-  return {{widen(_mm_loadu_si128(p)), widen(_mm_loadu_si128(p + 1)),
-           widen(_mm_loadu_si128(p + 2)), widen(_mm_loadu_si128(p + 3))}};
-}
-
-#else  // the portable path: the scalar twins themselves
-
-#define SCALAR_UNIT(name)                                 \
-  inline Unit unit_##name(const uint8_t* row, int64_t u) { \
-    Unit out;                                             \
-    unit_##name##_scalar(row, u, out.v);                  \
-    return out;                                           \
-  }
-SCALAR_UNIT(q4_0)
-template <bool fused>
-SCALAR_UNIT(q4_1)
-SCALAR_UNIT(q8_0)
-SCALAR_UNIT(q6_k)
-SCALAR_UNIT(f32)
-SCALAR_UNIT(f16)
-SCALAR_UNIT(bf16)
-#undef SCALAR_UNIT
-
-#endif
-
-// Unit u of a row of kind KIND. fused: the matrix products may round q d + m once (an FMA);
-// dequantize rounds the product and the sum apart, as gguf does.
-template <int64_t KIND, bool fused = false>
+template <int64_t KIND>
 inline Unit unit(const uint8_t* row, int64_t u) {
   if constexpr (KIND == Q4_0) return unit_q4_0(row, u);
-  if constexpr (KIND == Q4_1) return unit_q4_1<fused>(row, u);
+  if constexpr (KIND == Q4_1) return unit_q4_1(row, u);
   if constexpr (KIND == Q8_0) return unit_q8_0(row, u);
   if constexpr (KIND == Q6_K) return unit_q6_k(row, u);
-  if constexpr (KIND == F32) return unit_f32(row, u);
-  if constexpr (KIND == F16) return unit_f16(row, u);
-  if constexpr (KIND == BF16) return unit_bf16(row, u);
+  if constexpr (KIND == F32) return floats(row + u * UNIT * 4);
+  if constexpr (KIND == F16) return halves(row + u * UNIT * 2);
+  if constexpr (KIND == BF16) return bfloats(row + u * UNIT * 2);
 }
 
-// Calls f.template operator()<KIND>() for a runtime kind (checked before).
+// Calls f(std::integral_constant<int64_t, KIND>{}) for a runtime kind (checked before).
 template <typename F>
 void with_kind(int64_t kind, F&& f) {
   switch (kind) {
@@ -436,29 +426,60 @@ void dequantize_row(const uint8_t* row, int64_t k, float* out) {
   for (int64_t e = units * UNIT; e < k; e++) out[e] = plain_value(row, KIND, e);  // plain kinds
 }
 
-// out[r, c] = x[r] . W[c] for rows c in [c0, c1) of W and R rows of x (r = 0..R-1, x rows ldx
-// apart, out rows ldo apart): each unit of W is de-quantised once and multiplied into R
-// accumulators.
+// Whether the products sum a kind's 32-value blocks as d (x . q) (+ m sum(x) for Q4_1): one
+// multiply per value and the scale once per block, as ggml's dot products do (without
+// quantising x). Q6_K (two scales per unit) and plain rows multiply de-quantised values.
+template <int64_t KIND>
+constexpr bool block_dot = KIND == Q4_0 || KIND == Q4_1 || KIND == Q8_0;
+
+// out[r, c] = x[r] . W[c] for rows c in [c0, c1) of W and R rows of x (x rows ldx apart, out
+// rows ldo apart; xsum: each x row's sums over units, for Q4_1's m): each unit of W is
+// de-quantised once into registers and multiplied into R accumulators.
 template <int64_t KIND, int R>
-void matvec(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t k,
-            int64_t c0, int64_t c1, float* out, int64_t ldo) {
-  const int64_t units = k / UNIT;
+void matvec(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t row_bytes,
+            int64_t k, int64_t c0, int64_t c1, float* out, int64_t ldo) {
+  const int64_t units = k / UNIT, block_bytes = format(KIND)->bytes;
   for (int64_t c = c0; c < c1; c++) {
     const uint8_t* row = w + c * row_bytes;
     V acc[R][NV];
+    float offset[R] = {};  // sum over blocks of m sum(x) (Q4_1)
     for (int r = 0; r < R; r++)
       for (int v = 0; v < NV; v++) acc[r][v] = vzero();
-    for (int64_t u = 0; u < units; u++) {
-      const Unit wu = unit<KIND, true>(row, u);
-      for (int r = 0; r < R; r++) {
-        const float* xu = x + r * ldx + u * UNIT;
-        for (int v = 0; v < NV; v++) acc[r][v] = vfma(vload(xu + v * VL), wu.v[v], acc[r][v]);
+    // acc[r][slot] += x_r . unit u; blocks alternate between two slots (two FMA chains).
+    auto add_unit = [&](int64_t u, int slot) {
+      if constexpr (block_dot<KIND>) {
+        const uint8_t* b = row + u * block_bytes;
+        const Unit q = KIND == Q8_0 ? int8s(b + 2) : KIND == Q4_0 ? nibbles(b + 2, 8)
+                                                                  : nibbles(b + 4, 0);
+        const V d = vset(half(b));
+        for (int r = 0; r < R; r++) {
+          const float* xu = x + r * ldx + u * UNIT;
+          V t = vmul(vload(xu), q.v[0]);  // x . q
+          for (int v = 1; v < NV; v++) t = vfma(vload(xu + v * VL), q.v[v], t);
+          acc[r][slot] = vfma(t, d, acc[r][slot]);
+        }
+        if constexpr (KIND == Q4_1) {
+          const float m = half(b + 2);
+          for (int r = 0; r < R; r++) offset[r] += m * xsum[r * units + u];
+        }
+      } else {
+        const Unit wu = unit<KIND>(row, u);
+        for (int r = 0; r < R; r++) {
+          const float* xu = x + r * ldx + u * UNIT;
+          for (int v = 0; v < NV; v++) acc[r][v] = vfma(vload(xu + v * VL), wu.v[v], acc[r][v]);
+        }
       }
+    };
+    int64_t u = 0;
+    for (; u + 2 <= units; u += 2) {
+      add_unit(u, 0);
+      add_unit(u + 1, 1);
     }
+    if (u < units) add_unit(u, 0);
     for (int r = 0; r < R; r++) {
       V total = acc[r][0];
-      for (int v = 1; v < NV; v++) total = total + acc[r][v];
-      float sum = vsum(total);
+      for (int v = 1; v < NV; v++) total = vadd(total, acc[r][v]);
+      float sum = vsum(total) + offset[r];
       for (int64_t e = units * UNIT; e < k; e++) sum += x[r * ldx + e] * plain_value(row, KIND, e);
       out[r * ldo + c] = sum;
     }
@@ -470,13 +491,24 @@ void matvec(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, in
 template <int64_t KIND>
 void qmatmul_rows(const float* x, int64_t m, const uint8_t* w, int64_t row_bytes, int64_t n,
                   int64_t k, float* out) {
+  const int64_t units = k / UNIT;
+  std::vector<float> xsum(KIND == Q4_1 ? m * units : 0);  // (m, units)
+  for (int64_t x_u = 0; x_u < static_cast<int64_t>(xsum.size()); x_u++) {
+    const float* p = x + (x_u / units) * k + (x_u % units) * UNIT;
+    xsum[x_u] = std::accumulate(p, p + UNIT, 0.0f);
+  }
   const int64_t grain = std::max<int64_t>(1, 16384 / k);  // rows: about 16k values of work
   at::parallel_for(0, n, grain, [&](int64_t c0, int64_t c1) {
     note_thread();
+    auto rows = [&](auto group, int64_t r) {
+      constexpr int R = decltype(group)::value;
+      matvec<KIND, R>(x + r * k, k, xsum.data() + r * units, w, row_bytes, k, c0, c1,
+                      out + r * n, n);
+    };
     int64_t r = 0;
-    for (; r + 4 <= m; r += 4) matvec<KIND, 4>(x + r * k, k, w, row_bytes, k, c0, c1, out + r * n, n);
-    for (; r + 2 <= m; r += 2) matvec<KIND, 2>(x + r * k, k, w, row_bytes, k, c0, c1, out + r * n, n);
-    for (; r < m; r++) matvec<KIND, 1>(x + r * k, k, w, row_bytes, k, c0, c1, out + r * n, n);
+    for (; r + 4 <= m; r += 4) rows(std::integral_constant<int, 4>{}, r);
+    for (; r + 2 <= m; r += 2) rows(std::integral_constant<int, 2>{}, r);
+    for (; r < m; r++) rows(std::integral_constant<int, 1>{}, r);
   });
 }
 
