@@ -1,8 +1,683 @@
 // Matrix products with weights kept in GGUF's quantised block formats (see attnkit.quant).
+//
+// A weight W (n, k) stays as the n rows of GGUF blocks it was stored in (uint8, (n, row_bytes));
+// the products de-quantise blocks on the fly, so a decoding step reads 5 to 6 times fewer bytes
+// than with the float32 weight. The block layouts, as gguf/quants.py (the reference these
+// functions are tested against) and ggml-quants.c read them:
+//
+//   kind  id  values  bytes  layout                                          value
+//   F32    0    1       4    float32                                         w
+//   F16    1    1       2    float16                                         w
+//   Q4_0   2   32      18    f16 d, qs[16]                                   (q - 8) d
+//   Q4_1   3   32      20    f16 d, f16 m, qs[16]                            q d + m
+//   Q8_0   8   32      34    f16 d, int8 q[32]                               q d
+//   Q6_K  14  256     210    ql[128], qh[64], int8 sc[16], f16 d             (d sc) (q - 32)
+//   BF16  30    1       2    bfloat16 (the high half of a float32)           w
+//
+// Q4_0 / Q4_1: byte j of qs holds element j in its low nibble and element j + 16 in its high
+// nibble. Q6_K: 6-bit q = low 4 bits from ql, high 2 bits from qh; each half h of the block
+// (elements 128 h .. 128 h + 127) reads ql[64 h ..] and qh[32 h ..]; element 128 h + 32 s + l
+// (s = 0..3, l = 0..31) takes nibble s / 2 of ql[64 h + 32 (s % 2) + l] and bits 2 s, 2 s + 1
+// of qh[32 h + l]; sc[e / 16] scales element e.
+//
+// Shape vocabulary: m rows of x (tokens), n rows of W (output features), k values per row
+// (input features). The products read 32 values at a time (a "unit": one Q4/Q8 block, an
+// eighth of a Q6_K block, 32 plain values), de-quantised in registers: per instruction set, a
+// few small functions widen stored bits to 32 floats (each with its scalar twin), and one
+// function per kind scales them as its layout says:
+//
+//   dequantize(w, kind, k)       (n, k) float32, equal to gguf.quants.dequantize
+//   qmatmul(x, w, kind, out)     out = x @ dequantize(w)^T, float32 accumulation:
+//     m <= MATVEC_ROWS (decoding): each thread takes a range of W's rows and accumulates
+//       x . w with FMAs unit by unit, W read once at memory speed;
+//     larger m (prefill): each thread de-quantises a tile of W's rows into its own float32
+//       buffer and multiplies it with torch's float32 matmul (MKL where torch has it).
+//   embedding(ids, w, kind, k)   the selected rows de-quantised (a token embedding lookup)
+//
+// Vector paths: AVX-512 where CPU_CAPABILITY_AVX512 is defined, AVX2 + FMA + F16C where
+// CPU_CAPABILITY_AVX2 is (jit.py sets them by the CPU class torch dispatches to), the scalar
+// twins otherwise.
 #include <torch/extension.h>
+
+#include "fused.h"
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstring>
+#include <numeric>
+#include <sstream>
+
+// dequantize() must equal gguf's numpy bit for bit: Q4_1's q d + m is a product rounded to
+// float32 and then a sum, never one fused multiply-add (the compiler may not contract them;
+// the products' FMAs are explicit intrinsics, which this does not affect).
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 
 namespace attnkit_fused {
 
-void bind_quant(pybind11::module_& m) {}
+namespace {
+
+constexpr int64_t UNIT = 32;        // values de-quantised at a time
+constexpr int64_t MATVEC_ROWS = 8;  // x rows up to which qmatmul takes the matrix-vector path
+
+enum Kind : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q6_K = 14, BF16 = 30 };
+
+struct Format {
+  const char* name;
+  int64_t values;  // per block
+  int64_t bytes;   // per block
+};
+
+// The block formats by ggml type id (gguf.GGMLQuantizationType), or nullptr.
+const Format* format(int64_t kind) {
+  static const Format f32{"F32", 1, 4}, f16{"F16", 1, 2}, q4_0{"Q4_0", 32, 18},
+      q4_1{"Q4_1", 32, 20}, q8_0{"Q8_0", 32, 34}, q6_k{"Q6_K", 256, 210}, bf16{"BF16", 1, 2};
+  switch (kind) {
+    case F32: return &f32;
+    case F16: return &f16;
+    case Q4_0: return &q4_0;
+    case Q4_1: return &q4_1;
+    case Q8_0: return &q8_0;
+    case Q6_K: return &q6_k;
+    case BF16: return &bf16;
+    default: return nullptr;
+  }
+}
+
+inline float half(const uint8_t* p) {  // a little-endian float16 (GGUF's scales)
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+inline float bfloat(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()));
+}
+
+// One value of a plain row (F32, F16, BF16: the values past the last whole unit).
+inline float plain_value(const uint8_t* row, int64_t kind, int64_t e) {
+  if (kind == F32) {
+    float v;
+    std::memcpy(&v, row + 4 * e, 4);
+    return v;
+  }
+  return kind == F16 ? half(row + 2 * e) : bfloat(row + 2 * e);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The instruction sets. A Unit is 32 values in registers: 2 AVX-512 vectors, 4 AVX2 vectors or
+// 32 floats. What differs between the sets is how stored bits become 32 floats: the "widening"
+// functions below, the scalar twins first (the portable path, and the reference each vector
+// version follows); the arithmetic on the floats is written once, after them.
+//
+//   nibbles(qs, offset)   Q4: 16 bytes -> elements 0..15 (low nibbles), 16..31 (high), minus offset
+//   int8s(q)              Q8_0: 32 int8
+//   q6_bits(ql, qh, s)    Q6_K: a unit's 6-bit q - 32 (ql nibble s / 2, qh bits 2 s, 2 s + 1)
+//   halves, bfloats, floats: 32 plain values
+
+// The scalar twins (the portable path, and the reference the vector versions follow).
+namespace scalar {
+
+void nibbles(const uint8_t* qs, int offset, float* out) {
+  for (int l = 0; l < 16; l++) {
+    out[l] = static_cast<float>((qs[l] & 0x0F) - offset);
+    out[l + 16] = static_cast<float>((qs[l] >> 4) - offset);
+  }
+}
+
+void int8s(const uint8_t* q, float* out) {
+  for (int l = 0; l < 32; l++) out[l] = static_cast<float>(static_cast<int8_t>(q[l]));
+}
+
+void q6_bits(const uint8_t* ql, const uint8_t* qh, int s, float* out) {
+  for (int l = 0; l < 32; l++) {
+    const int q = ((ql[l] >> (4 * (s / 2))) & 0x0F) | (((qh[l] >> (2 * s)) & 3) << 4);
+    out[l] = static_cast<float>(q - 32);
+  }
+}
+
+void halves(const uint8_t* p, float* out) {
+  for (int l = 0; l < 32; l++) out[l] = half(p + 2 * l);
+}
+
+void bfloats(const uint8_t* p, float* out) {
+  for (int l = 0; l < 32; l++) out[l] = bfloat(p + 2 * l);
+}
+
+void floats(const uint8_t* p, float* out) { std::memcpy(out, p, 32 * 4); }
+
+}  // namespace scalar
+
+#if defined(CPU_CAPABILITY_AVX512)
+
+constexpr int VL = 16;
+using V = __m512;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset(float a) { return _mm512_set1_ps(a); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
+struct Unit {
+  V v[2];
+};
+
+inline V int32s(__m512i q) { return _mm512_cvtepi32_ps(q); }
+
+inline Unit nibbles(const uint8_t* qs, int offset) {  // lane j: byte j, elements j and j + 16
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m512i o = _mm512_set1_epi32(offset);
+  return {{int32s(_mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)), o)),
+           int32s(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), o))}};
+}
+
+inline Unit int8s(const uint8_t* q) {
+  const __m128i* p = reinterpret_cast<const __m128i*>(q);
+  return {{int32s(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))),
+           int32s(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)))}};
+}
+
+inline Unit q6_bits(const uint8_t* ql, const uint8_t* qh, int s) {
+  const __m256i low = _mm256_and_si256(
+      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql)),
+                       _mm_cvtsi32_si128(4 * (s / 2))),
+      _mm256_set1_epi8(0x0F));
+  const __m256i top = _mm256_and_si256(
+      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)),
+                       _mm_cvtsi32_si128(2 * s)),
+      _mm256_set1_epi8(3));
+  const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)),
+                                    _mm256_set1_epi8(32));  // -32..31
+  return {{int32s(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
+           int32s(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))}};
+}
+
+inline Unit halves(const uint8_t* p) {
+  const __m256i* h = reinterpret_cast<const __m256i*>(p);
+  return {{_mm512_cvtph_ps(_mm256_loadu_si256(h)), _mm512_cvtph_ps(_mm256_loadu_si256(h + 1))}};
+}
+
+inline Unit bfloats(const uint8_t* p) {  // bfloat16 bits << 16 = float32 bits
+  const __m256i* h = reinterpret_cast<const __m256i*>(p);
+  auto widen = [](__m256i x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+  };
+  return {{widen(_mm256_loadu_si256(h)), widen(_mm256_loadu_si256(h + 1))}};
+}
+
+inline Unit floats(const uint8_t* p) {
+  const float* f = reinterpret_cast<const float*>(p);
+  return {{vload(f), vload(f + 16)}};
+}
+
+#elif defined(CPU_CAPABILITY_AVX2)
+
+constexpr int VL = 8;
+using V = __m256;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vset(float a) { return _mm256_set1_ps(a); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(V a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+struct Unit {
+  V v[4];
+};
+
+inline V int32s(__m256i q) { return _mm256_cvtepi32_ps(q); }
+inline __m128i load8(const uint8_t* p) {
+  return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+}
+
+inline Unit nibbles(const uint8_t* qs, int offset) {  // lane j: byte j, elements j and j + 16
+  const __m256i q0 = _mm256_cvtepu8_epi32(load8(qs)), q1 = _mm256_cvtepu8_epi32(load8(qs + 8));
+  const __m256i o = _mm256_set1_epi32(offset), f = _mm256_set1_epi32(0x0F);
+  return {{int32s(_mm256_sub_epi32(_mm256_and_si256(q0, f), o)),
+           int32s(_mm256_sub_epi32(_mm256_and_si256(q1, f), o)),
+           int32s(_mm256_sub_epi32(_mm256_srli_epi32(q0, 4), o)),
+           int32s(_mm256_sub_epi32(_mm256_srli_epi32(q1, 4), o))}};
+}
+
+inline Unit int8s(const uint8_t* q) {
+  return {{int32s(_mm256_cvtepi8_epi32(load8(q))), int32s(_mm256_cvtepi8_epi32(load8(q + 8))),
+           int32s(_mm256_cvtepi8_epi32(load8(q + 16))),
+           int32s(_mm256_cvtepi8_epi32(load8(q + 24)))}};
+}
+
+inline Unit q6_bits(const uint8_t* ql, const uint8_t* qh, int s) {
+  const __m256i low = _mm256_and_si256(
+      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql)),
+                       _mm_cvtsi32_si128(4 * (s / 2))),
+      _mm256_set1_epi8(0x0F));
+  const __m256i top = _mm256_and_si256(
+      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)),
+                       _mm_cvtsi32_si128(2 * s)),
+      _mm256_set1_epi8(3));
+  const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)),
+                                    _mm256_set1_epi8(32));  // -32..31
+  const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+  return {{int32s(_mm256_cvtepi8_epi32(q0)), int32s(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q0, q0))),
+           int32s(_mm256_cvtepi8_epi32(q1)), int32s(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q1, q1)))}};
+}
+
+inline Unit halves(const uint8_t* p) {
+  const __m128i* h = reinterpret_cast<const __m128i*>(p);
+  return {{_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1)),
+           _mm256_cvtph_ps(_mm_loadu_si128(h + 2)), _mm256_cvtph_ps(_mm_loadu_si128(h + 3))}};
+}
+
+inline Unit bfloats(const uint8_t* p) {  // bfloat16 bits << 16 = float32 bits
+  const __m128i* h = reinterpret_cast<const __m128i*>(p);
+  auto widen = [](__m128i x) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+  };
+  return {{widen(_mm_loadu_si128(h)), widen(_mm_loadu_si128(h + 1)),
+           widen(_mm_loadu_si128(h + 2)), widen(_mm_loadu_si128(h + 3))}};
+}
+
+inline Unit floats(const uint8_t* p) {
+  const float* f = reinterpret_cast<const float*>(p);
+  return {{vload(f), vload(f + 8), vload(f + 16), vload(f + 24)}};
+}
+
+#else  // the portable path: the scalar twins themselves
+
+constexpr int VL = 1;
+using V = float;
+inline V vzero() { return 0.0f; }
+inline V vset(float a) { return a; }
+inline V vload(const float* p) { return *p; }
+inline void vstore(float* p, V a) { *p = a; }
+inline V vadd(V a, V b) { return a + b; }
+inline V vmul(V a, V b) { return a * b; }
+inline V vfma(V a, V b, V c) { return a * b + c; }
+inline float vsum(V a) { return a; }
+struct Unit {
+  V v[32];
+};
+
+inline Unit nibbles(const uint8_t* qs, int offset) {
+  Unit u;
+  scalar::nibbles(qs, offset, u.v);
+  return u;
+}
+inline Unit int8s(const uint8_t* q) {
+  Unit u;
+  scalar::int8s(q, u.v);
+  return u;
+}
+inline Unit q6_bits(const uint8_t* ql, const uint8_t* qh, int s) {
+  Unit u;
+  scalar::q6_bits(ql, qh, s, u.v);
+  return u;
+}
+inline Unit halves(const uint8_t* p) {
+  Unit u;
+  scalar::halves(p, u.v);
+  return u;
+}
+inline Unit bfloats(const uint8_t* p) {
+  Unit u;
+  scalar::bfloats(p, u.v);
+  return u;
+}
+inline Unit floats(const uint8_t* p) {
+  Unit u;
+  scalar::floats(p, u.v);
+  return u;
+}
+
+#endif
+
+constexpr int NV = UNIT / VL;  // vectors per unit
+
+// ---------------------------------------------------------------------------------------------
+// Unit u of a row of each kind, the products in gguf's order (de-quantised values equal gguf's
+// bit for bit).
+
+inline Unit scaled(Unit q, float d) {  // q d
+  for (int v = 0; v < NV; v++) q.v[v] = vmul(q.v[v], vset(d));
+  return q;
+}
+
+inline Unit unit_q4_0(const uint8_t* row, int64_t u) {  // f16 d, qs[16]: (q - 8) d
+  const uint8_t* b = row + u * 18;
+  return scaled(nibbles(b + 2, 8), half(b));
+}
+
+inline Unit unit_q4_1(const uint8_t* row, int64_t u) {  // f16 d, f16 m, qs[16]: q d + m
+  const uint8_t* b = row + u * 20;
+  const V d = vset(half(b)), m = vset(half(b + 2));
+  Unit q = nibbles(b + 4, 0);
+  for (int v = 0; v < NV; v++) q.v[v] = vadd(vmul(q.v[v], d), m);  // rounded twice, as gguf
+  return q;
+}
+
+inline Unit unit_q8_0(const uint8_t* row, int64_t u) {  // f16 d, int8 q[32]: q d
+  const uint8_t* b = row + u * 34;
+  return scaled(int8s(b + 2), half(b));
+}
+
+// Q6_K: ql[128], qh[64], int8 sc[16], f16 d; unit u is elements 128 h + 32 s + (0..31) of
+// block u / 8, scaled by (d sc[8 h + 2 s]) for its first 16 and (d sc[8 h + 2 s + 1]) after.
+inline Unit unit_q6_k(const uint8_t* row, int64_t u) {
+  const uint8_t* b = row + (u / 8) * 210;
+  const int h = static_cast<int>(u % 8) / 4, s = static_cast<int>(u % 4);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * s;
+  const float d = half(b + 208);
+  const V dl[2] = {vset(d * static_cast<float>(sc[0])), vset(d * static_cast<float>(sc[1]))};
+  Unit q = q6_bits(b + 64 * h + 32 * (s % 2), b + 128 + 32 * h, s);
+  for (int v = 0; v < NV; v++) q.v[v] = vmul(dl[v / (NV / 2)], q.v[v]);
+  return q;
+}
+
+template <int64_t KIND>
+inline Unit unit(const uint8_t* row, int64_t u) {
+  if constexpr (KIND == Q4_0) return unit_q4_0(row, u);
+  if constexpr (KIND == Q4_1) return unit_q4_1(row, u);
+  if constexpr (KIND == Q8_0) return unit_q8_0(row, u);
+  if constexpr (KIND == Q6_K) return unit_q6_k(row, u);
+  if constexpr (KIND == F32) return floats(row + u * UNIT * 4);
+  if constexpr (KIND == F16) return halves(row + u * UNIT * 2);
+  if constexpr (KIND == BF16) return bfloats(row + u * UNIT * 2);
+}
+
+// Calls f(std::integral_constant<int64_t, KIND>{}) for a runtime kind (checked before).
+template <typename F>
+void with_kind(int64_t kind, F&& f) {
+  switch (kind) {
+    case F32: return f(std::integral_constant<int64_t, F32>{});
+    case F16: return f(std::integral_constant<int64_t, F16>{});
+    case Q4_0: return f(std::integral_constant<int64_t, Q4_0>{});
+    case Q4_1: return f(std::integral_constant<int64_t, Q4_1>{});
+    case Q8_0: return f(std::integral_constant<int64_t, Q8_0>{});
+    case Q6_K: return f(std::integral_constant<int64_t, Q6_K>{});
+    case BF16: return f(std::integral_constant<int64_t, BF16>{});
+  }
+}
+
+// One row of W de-quantised into out[k].
+template <int64_t KIND>
+void dequantize_row(const uint8_t* row, int64_t k, float* out) {
+  const int64_t units = k / UNIT;
+  for (int64_t u = 0; u < units; u++) {
+    const Unit w = unit<KIND>(row, u);
+    for (int v = 0; v < NV; v++) vstore(out + u * UNIT + v * VL, w.v[v]);
+  }
+  for (int64_t e = units * UNIT; e < k; e++) out[e] = plain_value(row, KIND, e);  // plain kinds
+}
+
+// Whether the products sum a kind's 32-value blocks as d (x . q) (+ m sum(x) for Q4_1): one
+// multiply per value and the scale once per block, as ggml's dot products do (without
+// quantising x). Q6_K (two scales per unit) and plain rows multiply de-quantised values.
+template <int64_t KIND>
+constexpr bool block_dot = KIND == Q4_0 || KIND == Q4_1 || KIND == Q8_0;
+
+// out[r, c] = x[r] . W[c] for rows c in [c0, c1) of W and R rows of x (x rows ldx apart, out
+// rows ldo apart; xsum: each x row's sums over units, for Q4_1's m): each unit of W is
+// de-quantised once into registers and multiplied into R accumulators.
+template <int64_t KIND, int R>
+void matvec(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t row_bytes,
+            int64_t k, int64_t c0, int64_t c1, float* out, int64_t ldo) {
+  const int64_t units = k / UNIT, block_bytes = format(KIND)->bytes;
+  for (int64_t c = c0; c < c1; c++) {
+    const uint8_t* row = w + c * row_bytes;
+    V acc[R][NV];
+    float offset[R] = {};  // sum over blocks of m sum(x) (Q4_1)
+    for (int r = 0; r < R; r++)
+      for (int v = 0; v < NV; v++) acc[r][v] = vzero();
+    // acc[r][slot] += x_r . unit u; blocks alternate between two slots (two FMA chains).
+    auto add_unit = [&](int64_t u, int slot) {
+      if constexpr (block_dot<KIND>) {
+        const uint8_t* b = row + u * block_bytes;
+        const Unit q = KIND == Q8_0 ? int8s(b + 2) : KIND == Q4_0 ? nibbles(b + 2, 8)
+                                                                  : nibbles(b + 4, 0);
+        const V d = vset(half(b));
+        for (int r = 0; r < R; r++) {
+          const float* xu = x + r * ldx + u * UNIT;
+          V t = vmul(vload(xu), q.v[0]);  // x . q
+          for (int v = 1; v < NV; v++) t = vfma(vload(xu + v * VL), q.v[v], t);
+          acc[r][slot] = vfma(t, d, acc[r][slot]);
+        }
+        if constexpr (KIND == Q4_1) {
+          const float m = half(b + 2);
+          for (int r = 0; r < R; r++) offset[r] += m * xsum[r * units + u];
+        }
+      } else {
+        const Unit wu = unit<KIND>(row, u);
+        for (int r = 0; r < R; r++) {
+          const float* xu = x + r * ldx + u * UNIT;
+          for (int v = 0; v < NV; v++) acc[r][v] = vfma(vload(xu + v * VL), wu.v[v], acc[r][v]);
+        }
+      }
+    };
+    int64_t u = 0;
+    for (; u + 2 <= units; u += 2) {
+      add_unit(u, 0);
+      add_unit(u + 1, 1);
+    }
+    if (u < units) add_unit(u, 0);
+    for (int r = 0; r < R; r++) {
+      V total = acc[r][0];
+      for (int v = 1; v < NV; v++) total = vadd(total, acc[r][v]);
+      float sum = vsum(total) + offset[r];
+      for (int64_t e = units * UNIT; e < k; e++) sum += x[r * ldx + e] * plain_value(row, KIND, e);
+      out[r * ldo + c] = sum;
+    }
+  }
+}
+
+// The matrix-vector path: rows of W split over torch's intra-op threads, x's rows taken 4, 2
+// and 1 at a time.
+template <int64_t KIND>
+void qmatmul_rows(const float* x, int64_t m, const uint8_t* w, int64_t row_bytes, int64_t n,
+                  int64_t k, float* out) {
+  const int64_t units = k / UNIT;
+  std::vector<float> xsum(KIND == Q4_1 ? m * units : 0);  // (m, units)
+  for (int64_t x_u = 0; x_u < static_cast<int64_t>(xsum.size()); x_u++) {
+    const float* p = x + (x_u / units) * k + (x_u % units) * UNIT;
+    xsum[x_u] = std::accumulate(p, p + UNIT, 0.0f);
+  }
+  const int64_t grain = std::max<int64_t>(1, 16384 / k);  // rows: about 16k values of work
+  at::parallel_for(0, n, grain, [&](int64_t c0, int64_t c1) {
+    note_thread();
+    auto rows = [&](auto group, int64_t r) {
+      constexpr int R = decltype(group)::value;
+      matvec<KIND, R>(x + r * k, k, xsum.data() + r * units, w, row_bytes, k, c0, c1,
+                      out + r * n, n);
+    };
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) rows(std::integral_constant<int, 4>{}, r);
+    for (; r + 2 <= m; r += 2) rows(std::integral_constant<int, 2>{}, r);
+    for (; r < m; r++) rows(std::integral_constant<int, 1>{}, r);
+  });
+}
+
+// The matrix-matrix path: tiles of W's rows (and of x's rows when W alone gives too few tiles
+// for the threads), each de-quantised into a thread's float32 buffer and multiplied by gemm:
+// out[:, tile] = x @ tile^T.
+template <int64_t KIND>
+void qmatmul_tiles(const float* x, int64_t m, const uint8_t* w, int64_t row_bytes, int64_t n,
+                   int64_t k, float* out) {
+  const int64_t threads = at::get_num_threads();
+  // A tile of about 64k floats (256 KiB: in L2 while gemm reads it), 16 to 128 rows, small
+  // enough that every thread gets several.
+  int64_t tile_n = std::clamp<int64_t>(65536 / k, 16, 128);
+  tile_n = std::min(tile_n, std::max<int64_t>(16, (n + 4 * threads - 1) / (4 * threads)));
+  tile_n = (tile_n + 15) / 16 * 16;
+  const int64_t n_tiles = (n + tile_n - 1) / tile_n;
+  int64_t m_tiles = 1;
+  if (n_tiles < 4 * threads) m_tiles = std::clamp<int64_t>(4 * threads / n_tiles, 1, m / 64 + 1);
+  const int64_t tile_m = (m + m_tiles - 1) / m_tiles;
+  m_tiles = (m + tile_m - 1) / tile_m;
+  at::parallel_for(0, n_tiles * m_tiles, 1, [&](int64_t begin, int64_t end) {
+    note_thread();
+    std::vector<float> tile(tile_n * k);  // this thread's de-quantised rows of W
+    int64_t held = -1;                    // the W tile in the buffer
+    for (int64_t item = begin; item < end; item++) {
+      const int64_t nt = item / m_tiles, mt = item % m_tiles;
+      const int64_t c0 = nt * tile_n, c1 = std::min(n, c0 + tile_n);
+      const int64_t r0 = mt * tile_m, r1 = std::min(m, r0 + tile_m);
+      if (held != nt) {
+        for (int64_t c = c0; c < c1; c++)
+          dequantize_row<KIND>(w + c * row_bytes, k, tile.data() + (c - c0) * k);
+        held = nt;
+      }
+      // out[r0:r1, c0:c1] = x[r0:r1] @ tile^T: torch's float32 matmul (MKL where torch has it;
+      // single-threaded inside this parallel region), written in place through strides.
+      const Tensor x_rows = at::from_blob(const_cast<float*>(x) + r0 * k, {r1 - r0, k}, at::kFloat);
+      const Tensor tile_t = at::from_blob(tile.data(), {k, c1 - c0}, {1, k}, at::kFloat);
+      Tensor out_tile = at::from_blob(out + r0 * n + c0, {r1 - r0, c1 - c0}, {n, 1}, at::kFloat);
+      at::mm_out(out_tile, x_rows, tile_t);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checks: every error names the argument, its shape and what was expected, before any work.
+
+std::string shape(const Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+const Format& checked_format(const char* fn, int64_t kind) {
+  const Format* f = format(kind);
+  TORCH_CHECK(f != nullptr, fn, ": kind = ", kind,
+              " is not a supported GGUF type (expected one of F32 = 0, F16 = 1, Q4_0 = 2, "
+              "Q4_1 = 3, Q8_0 = 8, Q6_K = 14, BF16 = 30)");
+  return *f;
+}
+
+void check_w(const char* fn, const Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2, fn,
+              ": w must be a uint8 (n, row_bytes) tensor of GGUF blocks, got ", w.scalar_type(),
+              " of shape ", shape(w));
+  TORCH_CHECK(w.is_contiguous(), fn, ": w of shape ", shape(w), " must be contiguous");
+  TORCH_CHECK(w.device().is_cpu(), fn, ": w must be on the CPU, got ", w.device());
+}
+
+// The row length in bytes that k values of format f take (k checked against the block).
+int64_t checked_row_bytes(const char* fn, const Format& f, int64_t k, const Tensor& w) {
+  TORCH_CHECK(k > 0 && k % f.values == 0, fn, ": k = ", k, " must be a positive multiple of ",
+              f.name, "'s block of ", f.values, " values");
+  const int64_t need = k / f.values * f.bytes;
+  TORCH_CHECK(w.size(1) == need, fn, ": w of shape ", shape(w), " has rows of ", w.size(1),
+              " bytes; ", f.name, " with k = ", k, " needs ", need, " (", k / f.values,
+              " blocks of ", f.bytes, " bytes)");
+  return need;
+}
+
+void check_float(const char* fn, const char* arg, const Tensor& t, int64_t rows, int64_t cols,
+                 const char* expected) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2, fn, ": ", arg,
+              " must be a float32 ", expected, " tensor, got ", t.scalar_type(), " of shape ",
+              shape(t));
+  TORCH_CHECK(t.device().is_cpu(), fn, ": ", arg, " must be on the CPU, got ", t.device());
+  TORCH_CHECK((rows < 0 || t.size(0) == rows) && t.size(1) == cols, fn, ": ", arg,
+              " of shape ", shape(t), " does not match: expected ", expected, " with ",
+              rows < 0 ? "" : "rows = " + std::to_string(rows) + ", ", "columns = ", cols);
+  TORCH_CHECK(t.is_contiguous(), fn, ": ", arg, " of shape ", shape(t), " must be contiguous");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The entry points.
+
+Tensor dequantize(const Tensor& w, int64_t kind, int64_t k) {
+  const Format& f = checked_format("dequantize", kind);
+  check_w("dequantize", w);
+  const int64_t row_bytes = checked_row_bytes("dequantize", f, k, w);
+  const int64_t n = w.size(0);
+  Tensor out = at::empty({n, k}, at::kFloat);  // (n, k)
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  with_kind(kind, [&](auto kc) {
+    constexpr int64_t KIND = decltype(kc)::value;
+    at::parallel_for(0, n, std::max<int64_t>(1, 16384 / k), [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; c++) dequantize_row<KIND>(wp + c * row_bytes, k, op + c * k);
+    });
+  });
+  return out;
+}
+
+void qmatmul(const Tensor& x, const Tensor& w, int64_t kind, const Tensor& out) {
+  const Format& f = checked_format("qmatmul", kind);
+  check_w("qmatmul", w);
+  TORCH_CHECK(w.size(1) % f.bytes == 0, "qmatmul: w of shape ", shape(w), " has rows of ",
+              w.size(1), " bytes, not a whole number of ", f.name, " blocks of ", f.bytes,
+              " bytes");
+  const int64_t k = w.size(1) / f.bytes * f.values, n = w.size(0);
+  check_float("qmatmul", "x", x, -1, k, "(m, k)");
+  const int64_t m = x.size(0);
+  check_float("qmatmul", "out", out, m, n, "(m, n)");
+  begin_parallel();
+  if (m == 0 || n == 0) return;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  with_kind(kind, [&](auto kc) {
+    constexpr int64_t KIND = decltype(kc)::value;
+    if (m <= MATVEC_ROWS) {
+      qmatmul_rows<KIND>(xp, m, wp, w.size(1), n, k, op);
+    } else {
+      qmatmul_tiles<KIND>(xp, m, wp, w.size(1), n, k, op);
+    }
+  });
+}
+
+Tensor embedding(const Tensor& ids, const Tensor& w, int64_t kind, int64_t k) {
+  const Format& f = checked_format("embedding", kind);
+  check_w("embedding", w);
+  const int64_t row_bytes = checked_row_bytes("embedding", f, k, w);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "embedding: ids must be a 1-D ",
+              "int64 tensor, got ", ids.scalar_type(), " of shape ", shape(ids));
+  const Tensor idx = ids.contiguous();
+  const int64_t t = idx.size(0), n = w.size(0);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; i++) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "embedding: ids[", i, "] = ", ip[i],
+                " is out of range for w with ", n, " rows");
+  }
+  Tensor out = at::empty({t, k}, at::kFloat);  // (t, k)
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  with_kind(kind, [&](auto kc) {
+    constexpr int64_t KIND = decltype(kc)::value;
+    for (int64_t i = 0; i < t; i++) dequantize_row<KIND>(wp + ip[i] * row_bytes, k, op + i * k);
+  });
+  return out;
+}
+
+}  // namespace
+
+void bind_quant(pybind11::module_& m) {
+  m.def("dequantize", &dequantize, pybind11::arg("w"), pybind11::arg("kind"), pybind11::arg("k"),
+        "rows of GGUF blocks (uint8 (n, row_bytes)) to float32 (n, k), as gguf.quants.dequantize");
+  m.def("qmatmul", &qmatmul, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("kind"),
+        pybind11::arg("out"),
+        "out (m, n) = x (m, k) @ dequantize(w)^T, float32 accumulation, W kept in its blocks");
+  m.def("embedding", &embedding, pybind11::arg("ids"), pybind11::arg("w"), pybind11::arg("kind"),
+        pybind11::arg("k"), "rows ids of dequantize(w): float32 (len(ids), k)");
+}
 
 }  // namespace attnkit_fused
