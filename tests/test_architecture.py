@@ -122,6 +122,7 @@ PACKAGE_LAYERS = {
     "viz": "viz",
     "train": "train",
     "distributed": "distributed",
+    "learn": "learn",
     "tasks": "tasks",
     "commands": "cli",
 }
@@ -133,6 +134,7 @@ RANK = {
     "viz": 4,
     "train": 4,
     "distributed": 4,
+    "learn": 5,
     "tasks": 5,
     "cli": 6,
 }
