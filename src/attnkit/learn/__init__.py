@@ -368,7 +368,8 @@ def _describe(args: tuple[Any, ...]) -> str:
     parts = []
     for a in args:
         if isinstance(a, Tensor):
-            parts.append(f"tensor {tuple(a.shape)}" if a.numel() > 8 else f"tensor {a.tolist()}")
+            small = a.dim() <= 1 and a.numel() <= 8
+            parts.append(f"tensor {a.tolist()}" if small else f"tensor of shape {tuple(a.shape)}")
         else:
             parts.append(repr(a))
     return "(" + ", ".join(parts) + ")"
@@ -376,6 +377,8 @@ def _describe(args: tuple[Any, ...]) -> str:
 
 def _compare(mine: Any, ref: Tensor, atol: float) -> str | None:
     """What differs between the learner's output and the reference, in words; None if equal."""
+    if mine is None:
+        return "it returned None, not a tensor (is its body still `...`, or a `return` missing?)"
     if not isinstance(mine, Tensor):
         return f"it returned a {type(mine).__name__}, not a tensor"
     if tuple(mine.shape) != tuple(ref.shape):
