@@ -125,6 +125,9 @@ def test_resume_after_one_epoch_equals_the_uninterrupted_run(tmp_path: Path) -> 
         ("forecast --lr nan", "argument --lr"),
         ("translate --resume", "--resume: there is no run at 'runs/translate-seed0'"),
         ("vit --out a_file", "--out 'a_file' is a file; give a directory for the run"),
+        ("forecast --positional learned", "--positional is for the vit task; forecast does not"),
+        ("vit --d-model 18 --heads 2", "--d-model 18: the 2-D sinusoidal positions give rows"),
+        ("vit --positional rope", "argument --positional: invalid choice: 'rope'"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_creates_nothing(

@@ -53,7 +53,8 @@ LEARN_SIZES = {
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
-        help="train the Iris or the review classifier; writes a checkpoint and metrics.json",
+        help="train a worked example (iris, text, vit, translate, forecast); writes a "
+        "checkpoint, metrics.json and pictures",
         description="Train a worked example; the checkpoint, metrics.json and the attention "
         "pictures go to --out (default runs/TASK[-VARIANT]-seedN).",
     )
@@ -73,6 +74,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["scratch", "pretrained"],
         default="scratch",
         help="text only: from-scratch model or fine-tuned MiniLM",
+    )
+    p.add_argument(
+        "--positional",
+        choices=["learned", "sinusoidal2d"],
+        default=None,
+        help="vit only: learned positions or the fixed 2-D sinusoidal table (the default)",
     )
     recipe = "(default: the task's recipe, e.g. %s for iris)"
     p.add_argument(
@@ -151,6 +158,8 @@ def check(args: argparse.Namespace) -> Path:
     """Refuse what cannot work, before anything is created; returns the output directory."""
     import os
 
+    if args.positional is not None and args.task != "vit":
+        raise ValueError(f"--positional is for the vit task; {args.task} does not read it")
     if args.task != "text":
         if args.variant != "scratch":
             raise ValueError(
@@ -213,16 +222,22 @@ def check_recipe(args: argparse.Namespace) -> None:
         base_d, base_heads, base_layers = LEARN_SIZES[args.task]
         d, heads = args.d_model or base_d, args.heads or base_heads
         layers, ff_mult = args.layers or base_layers, 4
+        if args.task == "vit" and args.positional != "learned" and d % 4:
+            raise ValueError(
+                f"--d-model {d}: the 2-D sinusoidal positions give rows and columns half the "
+                "width each, as sin/cos pairs, so it must divide by 4 (or --positional learned)"
+            )
     else:
         base = TabularConfig() if args.task == "iris" else TextConfig(vocab_size=1)
         d, heads = args.d_model or base.d_model, args.heads or base.num_heads
         layers, ff_mult = args.layers or base.num_layers, base.ff_mult
-        replace(base, d_model=d, num_heads=heads, num_layers=layers)
     if d % heads:
         raise ValueError(
             f"--heads {heads} must divide the embedding width --d-model {d} (each head reads an "
             "equal slice of it)"
         )
+    if args.task not in LEARN_SIZES:
+        replace(base, d_model=d, num_heads=heads, num_layers=layers)  # its own checks
     positions = args.max_len or 0
     # Each block holds 4 d^2 (attention) + 2 ff_mult d^2 (feed-forward) weights; with their
     # gradients and AdamW's two moments a float32 weight takes 16 bytes.
@@ -409,6 +424,8 @@ def _run_learn(
     if args.task == "vit":
         from attnkit.tasks.vit import VIT_TRAIN, VitConfig, VitRun, train_vit
 
+        if args.positional is not None:
+            sizes["positional"] = args.positional
         vit = VitRun(args.seed, replace(VitConfig(), **sizes), _train_config(args, VIT_TRAIN))
         m = train_vit(vit, out=out, resume=args.resume, progress=progress)
         b = m["baseline"]
