@@ -59,9 +59,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/attention.py
 
 # Peers that benchmarks compare against and nothing else needs (never part of `make test`):
-# llama.cpp's Python binding, built from source (about 17 minutes on 2 cores).
+# llama.cpp's Python binding and its server, built from source (about 17 minutes on 2 cores).
 bench-peers: $(STAMP)
-	$(PIP) install --quiet -c constraints.txt llama-cpp-python==0.3.36 diskcache==5.6.3
+	$(PIP) install --quiet -c constraints.txt "llama-cpp-python[server]==0.3.36" diskcache==5.6.3
 
 clean:
 	rm -rf $(VENV) build dist site .pytest_cache .import_linter_cache

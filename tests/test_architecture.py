@@ -122,6 +122,7 @@ PACKAGE_LAYERS = {
     "viz": "viz",
     "train": "train",
     "distributed": "distributed",
+    "serve": "serve",
     "learn": "learn",
     "tasks": "tasks",
     "commands": "cli",
@@ -134,11 +135,12 @@ RANK = {
     "viz": 4,
     "train": 4,
     "distributed": 4,
+    "serve": 4,
     "learn": 5,
     "tasks": 5,
     "cli": 6,
 }
-PROTECTED = {"train", "distributed", "tasks"}  # imported only by these importers:
+PROTECTED = {"train", "distributed", "tasks", "serve"}  # imported only by these importers:
 PROTECTED_IMPORTERS = {"cli", "tasks"}
 
 

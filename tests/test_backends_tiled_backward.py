@@ -114,3 +114,58 @@ def test_fully_masked_rows_give_zero_output_and_zero_gradient() -> None:
     assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))  # row 0 sees no key
     (gq,) = torch.autograd.grad(out.sum(), q)
     assert torch.isfinite(gq).all() and torch.equal(gq[:, :, 0], torch.zeros_like(gq[:, :, 0]))
+
+
+# The loop order: key tiles outside, the query tiles that keep each inside (backward.cpp's).
+
+
+def _order_case(case: str, n: int):
+    """(mask function, is_causal, tile size, gather) of a loop-order case."""
+    if case == "causal":
+        return None, True, 64, False
+    if case == "window":
+        return masks.window_fn(100, 20), False, 64, False
+    if case == "block layout":  # the sparse backend's gathered groups
+        return block_sparse(strided_layout(n // 32, 2, 3), 32), False, 32, True
+    ids = torch.arange(n) * 3 // n  # three documents: an undeclared mask function
+
+    def documents(b, h, i, j):
+        return ids[i] == ids[j]
+
+    return documents, True, 64, False
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "block layout", "documents"])
+def test_backward_visits_key_tiles_outside_in_the_plans_by_key_order(case: str) -> None:
+    """The (key tile, query tile) pairs the backward visits are ``TilePlan.by_key``'s, in its
+    order (the order the fused backward's C++ loops read the same tensors in), with gathered
+    query tiles listed one by one; the gradients stay those of the float64 reference."""
+    from attnkit._structure import tile_plan
+    from attnkit.backends.tiled import tiled_attention
+    from attnkit.backends.tiled.backward import visits
+
+    n = 321
+    fn, causal, block, gather = _order_case(case, n)
+    q, k, v = _qkv(n, n, h=4, h_kv=2, d=8, dv=6, b=1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with visits() as seen:
+        out = tiled_attention(
+            *leaves, mask_fn=fn, is_causal=causal, block_q=block, block_k=block, gather=gather
+        )
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    mask_fn = masks.all_of(fn, masks.causal_fn(0)) if causal else fn
+    plan = tile_plan(masks.structure_of(mask_fn), n, n, block, block)
+    offsets, kept = plan.by_key()
+    want = []
+    for kb in range(len(offsets) - 1):
+        j0 = kb * block
+        for i0, i1, _ in kept[offsets[kb] : offsets[kb + 1]].tolist():
+            want.append((j0, min(n, j0 + block), i0, i1))
+    assert seen == want
+    ref = _reference_grads(q, k, v, torch.ones_like(out), 8**-0.5, mask=_dense(mask_fn, n))
+    for got, expected in zip(grads, ref[:3], strict=True):
+        assert (got - expected).abs().max() < 1e-12
+
+
+def _dense(mask_fn, n: int):
+    return None if mask_fn is None else masks.materialize(mask_fn, (1, 1, n, n))

@@ -49,7 +49,7 @@ def test_row_max_is_the_largest_bias_of_each_row(declared: bool) -> None:
     assert (tiles.relative is not None) == declared
     dense = masks.materialize(lambda b, h, i, j: fn(b, h, i + 3, j + 9), (1, 4, 37, 45))
     for i0, i1, j0, j1 in ((0, 8, 0, 5), (8, 37, 40, 45), (29, 37, 0, 45)):
-        top = row_max(tiles, tiles.bias(i0, i1, slice(j0, j1)), i0, i1, slice(j0, j1))
+        top = row_max(tiles, tiles.bias(slice(i0, i1), slice(j0, j1)), i0, i1, slice(j0, j1))
         want = dense[:, :, i0:i1, j0:j1].to(F64)
         if declared:
             want = want.flip(2)  # a relative call's rows are reversed
@@ -66,14 +66,14 @@ def test_needed_is_sound_and_skips_steep_heads() -> None:
         tiles = Tiles(Spec(0.5, bias_fn=fn), q, k)
         q2 = tiles.queries(flat(rows(q, 2))[:, 8:16]) * (0.5 * LOG2E)  # queries 4-7
         k_f = flat(k)
-        diagonal = tiles.logits(q2, k_f[:, 0:8].mT, None, tiles.bias(4, 8, slice(0, 8)))
+        diagonal = tiles.logits(q2, k_f[:, 0:8].mT, None, tiles.bias(slice(4, 8), slice(0, 8)))
         floor = diagonal.amax(-1)  # (b * h_kv, rows): the running maximum after the diagonal
         q_norm = q2.norm(dim=-1)
         assert needed(tiles, q_norm, k_f.norm(dim=-1)[:, 0:8], floor, None) == (0, 2)
         skipped_somewhere = False
         for j0 in range(8, 40, 8):
             sel = slice(j0, j0 + 8)
-            bias = tiles.bias(4, 8, sel)
+            bias = tiles.bias(slice(4, 8), sel)
             top = row_max(tiles, bias, 4, 8, sel)
             lo, hi = needed(tiles, q_norm, k_f.norm(dim=-1)[:, sel], top, floor)
             logits = tiles.logits(q2, k_f[:, sel].mT, None, bias).view(2, 2, 8, 8)

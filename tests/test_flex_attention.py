@@ -11,6 +11,7 @@ import torch
 import torch.nn.attention.flex_attention as tf
 
 from attnkit.flex import BlockMask, and_masks, create_block_mask, flex_attention, or_masks
+from attnkit.registry import use
 
 F64 = torch.float64
 BLOCK = 32
@@ -306,8 +307,10 @@ def test_per_element_score_mod_gradients_reach_what_it_captures() -> None:
 def test_full_blocks_skip_the_mask_and_empty_blocks_are_never_visited(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Causal, 4 x 4 blocks: mask_mod is evaluated only on the diagonal (partial) blocks, in the
-    forward and the backward (the tiles it is vmapped over are recorded)."""
+    """Causal, 4 x 4 blocks, on the tiled engine: mask_mod is evaluated only on the diagonal
+    (partial) blocks, in the forward and the backward (the tiles it is vmapped over are
+    recorded). (auto may choose torch's kernel for a call without score_mod: it then reads the
+    mask function whole.)"""
     import attnkit.flex.block_mask as block_mask
 
     calls: list[tuple[int, int, int, int]] = []
@@ -326,7 +329,8 @@ def test_full_blocks_skip_the_mask_and_empty_blocks_are_never_visited(
     bm = create_block_mask(causal, None, None, 128, 128, BLOCK_SIZE=32)
     calls.clear()
     q, k, v = (t.requires_grad_() for t in inputs(128, 128))
-    flex_attention(q, k, v, block_mask=bm).sum().backward()  # type: ignore[union-attr]
+    with use("tiled"):
+        flex_attention(q, k, v, block_mask=bm).sum().backward()  # type: ignore[union-attr]
     assert calls and {(c[0] // 32, c[1] // 32, c[2] // 32, c[3] // 32) for c in calls} == {
         (r, r, r, r) for r in range(4)
     }
@@ -400,3 +404,30 @@ def test_integer_and_mixed_dtypes_are_refused_by_name() -> None:
     for args in ((q.long(), q.long(), q.long()), (q, q.double(), q), (q.half(), q, q)):
         with pytest.raises(TypeError, match="one floating-point dtype; got"):
             flex_attention(*args)
+
+
+def test_flex_attention_is_one_scaled_dot_product_attention_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The adapter makes exactly one ``attnkit.scaled_dot_product_attention`` call: the block
+    mask as a mask function with its ``BLOCK_SIZE`` as the tile sizes, grouped heads as they
+    are, the log-sum-exp asked of the call; what it returns is torch's flex forward's."""
+    import attnkit.flex.attention as adapter
+
+    seen: list[dict] = []
+    real = adapter.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append({"args": args, **kwargs})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "scaled_dot_product_attention", recording)
+    q, k, v = inputs(97, 97, h=4, h_kv=2)
+    ours_bm = create_block_mask(causal, None, None, 97, 97, BLOCK_SIZE=(16, 32))
+    out, lse = flex_attention(q, k, v, block_mask=ours_bm, enable_gqa=True, return_lse=True)
+    ((call,),) = [seen]
+    assert call["block_sizes"] == (16, 32) and call["return_lse"] is True
+    assert call["args"][1].shape[1] == 2  # key heads: grouped-query attention, not repeated
+    theirs_bm = tf.create_block_mask(causal, None, None, 97, 97, device="cpu", BLOCK_SIZE=(16, 32))
+    ref, ref_lse = torch_flex(q, k, v, None, theirs_bm, enable_gqa=True, return_lse=True)
+    assert (out - ref).abs().max() < 1e-12 and (lse - ref_lse).abs().max() < 1e-12

@@ -587,3 +587,80 @@ def test_nested_inputs_on_auto_go_to_torchs_kernel() -> None:
     for backend in ("math", "tiled", "chunked"):
         with pytest.raises(BackendUnavailable, match=r"nested \(jagged\) inputs: only torch's"):
             sdpa(q, k, v, backend=backend)
+
+
+# return_lse and block_sizes: what attnkit.flex's adapter asks of one call.
+
+
+@pytest.mark.parametrize("backend", ["math", "tiled", "sparse", "fused"])
+def test_return_lse_is_the_log_sum_exp_of_the_visible_modified_scores(backend: str) -> None:
+    """``return_lse=True``: the natural log-sum-exp of each row's scaled, capped, biased scores
+    over its visible keys and its sink, ``-inf`` for a row that sees nothing, on every backend
+    that serves it (grouped heads, a window that leaves row 0 nothing)."""
+    if backend == "fused":
+        from attnkit.backends.fused import jit
+
+        try:
+            jit.build()
+        except jit.NotBuilt as reason:
+            pytest.skip(f"the fused kernel cannot be built here: {reason}")
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 37, 8, dtype=F64, generator=g)
+    k, v = (torch.randn(2, 2, 41, 8, dtype=F64, generator=g) for _ in range(2))
+    window = masks.window_fn(7, 0, offset=-1)  # query i sees keys i - 8 .. i - 1
+    kw: dict = {"mask": window}
+    if backend != "fused":
+        kw.update(softcap=3.0, sinks=torch.randn(4, dtype=F64, generator=g))
+    if backend != "sparse":
+        kw["bias"] = lambda b, h, i, j: -0.1 * (h + 1) * (i - j).abs()
+    out, lse = scaled_dot_product_attention(q, k, v, backend=backend, return_lse=True, **kw)
+    s = torch.einsum("bhid,bhjd->bhij", q, k.repeat_interleave(2, dim=1)) * 8**-0.5
+    if "softcap" in kw:
+        s = 3.0 * torch.tanh(s / 3.0)
+    if "bias" in kw:
+        s = s + masks.materialize(kw["bias"], s.shape)
+    visible = masks.materialize(window, s.shape)
+    want = torch.logsumexp(s.masked_fill(~visible, float("-inf")), dim=-1)  # (b, h, i)
+    if "sinks" in kw:
+        want = torch.logaddexp(want, kw["sinks"].view(1, 4, 1))
+    assert lse.shape == (2, 4, 37) and not lse.requires_grad
+    finite = torch.isfinite(want)
+    assert not bool(finite[:, :, 0].any()) or "sinks" in kw  # row 0 sees no key
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want))
+    assert (lse[finite] - want[finite]).abs().max() < 1e-10
+    assert torch.allclose(out, scaled_dot_product_attention(q, k, v, backend="math", **kw))
+
+
+def test_return_lse_is_refused_where_it_cannot_be_served() -> None:
+    q = torch.randn(1, 2, 9, 8)
+    call = make_call(q, q, q, return_lse=True)
+    for name in ("torch", "chunked"):
+        reason = select_backend_reason(name, call)
+        assert reason is not None and "return_lse=True" in reason
+    with pytest.raises(ValueError, match="return_lse and return_weights"):
+        make_call(q, q, q, return_lse=True, return_weights=True)
+    with pytest.raises(ValueError, match="block_sizes"):
+        make_call(q, q, q, block_sizes=(0, 16))
+
+
+def select_backend_reason(name: str, call) -> str | None:
+    from attnkit.registry import get_backend
+
+    return get_backend(name).why_not(call)
+
+
+def test_block_sizes_are_the_tile_engines_tile_sizes() -> None:
+    """``block_sizes=(16, 32)``: the tiled engine plans the call with 16-query x 32-key tiles
+    (the backward's visits), and the result is the reference's."""
+    from attnkit.backends.tiled.backward import visits
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 70, 8, dtype=F64, generator=g, requires_grad=True) for _ in "qkv")
+    with visits() as seen:
+        out = scaled_dot_product_attention(q, k, v, backend="tiled", block_sizes=(16, 32))
+        out.sum().backward()
+    assert {
+        (j1 - j0 if j1 < 70 else 32, i1 - i0 if i1 < 70 else 16) for j0, j1, i0, i1 in seen
+    } == {(32, 16)}
+    ref = scaled_dot_product_attention(q, k, v, backend="math")
+    assert (out - ref).abs().max() < 1e-12

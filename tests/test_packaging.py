@@ -35,6 +35,7 @@ WITHOUT_EXTRAS = {
     "train text --variant scratch": "pip install 'attnkit[train]'",
     "evaluate runs/iris-seed0": "pip install 'attnkit[train]'",
     "generate Hello": "pip install 'attnkit[llm]'",
+    "serve": "pip install 'attnkit[serve]'",
 }
 DATA = (
     "attnkit/data/rotten_tomatoes_corpus_full.csv.bz2",

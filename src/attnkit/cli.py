@@ -35,6 +35,7 @@ COMMAND_MODULES = [
     "attnkit.commands.train",
     "attnkit.commands.evaluate",
     "attnkit.commands.generate",
+    "attnkit.commands.serve",
     "attnkit.commands.bench",
     "attnkit.commands.kernels",
 ]

@@ -68,6 +68,8 @@ def scaled_dot_product_attention(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     score_mod: ScoreMod | None = None,
+    return_lse: bool = False,
+    block_sizes: tuple[int, int] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of ``query`` over ``key``/``value``.
 
@@ -114,9 +116,17 @@ def scaled_dot_product_attention(
             rewrites the scaled (soft-capped, then biased) scores before masking; called on a
             score tensor and broadcast index tensors (as mask and bias functions are), so it
             must be elementwise; 4-D inputs only. Served by "math", "tiled" and "sparse".
+        return_lse: also return the natural log-sum-exp of each row's modified scores over its
+            visible keys (and sink), ``(..., h, i)`` in the compute dtype, ``-inf`` for a row
+            that sees nothing; not differentiable. Served by "math", "tiled", "sparse" and
+            "fused" (not with ``return_weights``).
+        block_sizes: ``(block_q, block_k)``, the tile sizes the tile engines ("tiled",
+            "sparse") plan the call with; None: their own. ``attnkit.flex`` passes its block
+            mask's ``BLOCK_SIZE``.
 
     Returns:
-        The output ``(..., h, i, dv)`` in the query's dtype, or ``(output, weights)``. Under
+        The output ``(..., h, i, dv)`` in the query's dtype, or ``(output, weights)``, or
+        ``(output, lse)``. Under
         ``torch.autocast`` inputs are first cast to the autocast dtype (float64 stays), so the
         output has that dtype on every backend; softmax statistics stay in float32.
     """
@@ -134,6 +144,8 @@ def scaled_dot_product_attention(
         softcap=softcap,
         sinks=sinks,
         score_mod=score_mod,
+        return_lse=return_lse,
+        block_sizes=block_sizes,
     )
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
@@ -146,10 +158,15 @@ def scaled_dot_product_attention(
             chosen = select_backend("torch", call)
     else:
         chosen = select_backend(backend, call)
-    output, weights = chosen.run(call)
+    output, extra = chosen.run(call)
     if return_weights:
-        assert weights is not None, "a backend that serves return_weights must return weights"
-        return output, weights
+        assert extra is not None, "a backend that serves return_weights must return weights"
+        return output, extra
+    if return_lse:
+        assert extra is not None, "a backend that serves return_lse must return the lse"
+        # an engine marks a row that sees nothing with the blocked minimum (the backward reads
+        # it so): log 0 = -inf here
+        return output, extra.masked_fill(extra <= blocked(extra.dtype) * 0.5, float("-inf"))
     return output
 
 
@@ -168,6 +185,8 @@ def make_call(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     score_mod: ScoreMod | None = None,
+    return_lse: bool = False,
+    block_sizes: tuple[int, int] | None = None,
 ) -> AttentionCall:
     """Validate the arguments of an attention call; every problem is reported before any work."""
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -267,6 +286,18 @@ def make_call(
         raise ValueError(
             f"score_mod takes (b, h, i, j) indices, so query must be 4-D; got {shapes}"
         )
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if return_lse and return_weights:
+        raise ValueError("return_lse and return_weights: ask for one of them")
+    if block_sizes is not None and not (
+        isinstance(block_sizes, tuple)
+        and len(block_sizes) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in block_sizes)
+    ):
+        raise ValueError(
+            f"block_sizes must be None or two positive ints (block_q, block_k), got {block_sizes!r}"
+        )
     return AttentionCall(
         query,
         key,
@@ -281,6 +312,8 @@ def make_call(
         None if softcap is None else float(softcap),
         sinks,
         score_mod,
+        return_lse,
+        block_sizes,
     )
 
 
@@ -338,22 +371,12 @@ def _sink_column(sinks: Tensor, scores: Tensor, g: int) -> Tensor:
     return column.expand(*scores.shape[:-1], 1)
 
 
-def _modified(score_mod: ScoreMod, scores: Tensor, g: int) -> Tensor:
-    """``score_mod`` applied to scores ``(b, h, i, j)`` (grouped ``(b, h_kv, g, i, j)``)."""
-    flat = scores.flatten(1, 2) if g > 1 else scores  # (b, h, i, j)
-    nb, nh, ni, nj = flat.shape
-    index = [
+def _positions(scores: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Index tensors ``b, h, i, j`` broadcastable to scores ``(b, h, i, j)``."""
+    return tuple(  # type: ignore[return-value]
         torch.arange(n, device=scores.device).view([n if a == d else 1 for a in range(4)])
-        for d, n in enumerate((nb, nh, ni, nj))
-    ]
-    out = score_mod(flat, *index)
-    if not isinstance(out, Tensor) or out.shape != flat.shape:
-        got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-        raise ValueError(
-            f"score_mod must return a tensor of the score's shape {tuple(flat.shape)}, got {got}"
-        )
-    out = out.to(flat.dtype)
-    return out.unflatten(1, scores.shape[1:3]) if g > 1 else out
+        for d, n in enumerate(scores.shape)
+    )
 
 
 def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
@@ -362,7 +385,7 @@ def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     compute = compute_dtype(q.dtype)
     g = call.groups
     mask = call.dense_mask()
-    bias = call.dense_bias(compute)
+    bias = call.dense_bias(compute)  # (..., h, i, j)-broadcastable: the tensor, or the function's
     if g > 1:
         # Grouped-query attention: each key/value head serves g query heads. Broadcasting a
         # singleton axis shares K and V between the group without copying them per head.
@@ -372,21 +395,31 @@ def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         k = k.unsqueeze(-3)  # (..., h_kv, 1, j, d)
         v = v.unsqueeze(-3)  # (..., h_kv, 1, j, dv)
         mask = None if mask is None else _grouped(mask, ndim, h_kv, g)
-        bias = None if bias is None else _grouped(bias, ndim, h_kv, g)
 
     scores = (q.to(compute) @ k.to(compute).transpose(-2, -1)) * call.scale  # (..., i, j)
-    if call.softcap is not None:  # logit soft-capping (Gemma Team 2024, Gemma 2, section 2)
-        scores = call.softcap * torch.tanh(scores / call.softcap)
-    if bias is not None:  # after the cap, so an additive -inf still blocks (Gemma 2's eager)
-        scores = scores + bias
-    if call.score_mod is not None:  # FlexAttention's score_mod, on (b, h, i, j) scores
-        scores = _modified(call.score_mod, scores, g)
+    modification = call.modification
+    if modification.parts:  # softcap, then bias, then score_mod (ScoreModification.apply)
+        # Soft-capping: Gemma Team 2024, Gemma 2, section 2. The bias comes after the cap, so
+        # an additive -inf still blocks (Gemma 2's eager attention).
+        flat = scores.flatten(-4, -3) if g > 1 else scores  # (..., h, i, j), a view
+        index = _positions(flat) if call.score_mod is not None else None
+        flat, _ = modification.apply(
+            flat, None if bias is None else pad_to_rank(bias, flat.ndim), index
+        )
+        scores = flat.unflatten(-3, scores.shape[-4:-2]) if g > 1 else flat
     visible = mask
     minus_inf = torch.isneginf(scores)  # an additive -inf blocks its key, as a mask does
     if bool(minus_inf.any()):
         visible = ~minus_inf if visible is None else visible & ~minus_inf
     if visible is not None:
         scores = scores.masked_fill(~visible, blocked(compute))
+    lse = None
+    if call.return_lse:  # log-sum-exp over the visible keys (and the sink): -inf for none
+        hidden = scores if visible is None else scores.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(hidden, dim=-1)  # (..., i)
+        if call.sinks is not None:
+            lse = torch.logaddexp(lse, _sink_column(call.sinks.to(compute), scores, g)[..., 0])
+        lse = lse.flatten(-3, -2) if g > 1 else lse  # (..., h, i)
     if call.sinks is None:
         weights = torch.softmax(scores, dim=-1)
     else:  # a sink: one more logit per head in the denominator, with no value (gpt-oss)
@@ -415,7 +448,7 @@ def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         output = output.flatten(-4, -3)  # (..., h, i, dv)
         weights = weights.flatten(-4, -3)  # (..., h, i, j)
     out_weights = weights.to(call.query.dtype) if call.return_weights else None
-    return output.to(call.query.dtype), out_weights
+    return output.to(call.query.dtype), (lse.detach() if lse is not None else out_weights)
 
 
 def nested_why_not(call: AttentionCall) -> str | None:

@@ -2,7 +2,9 @@
 
 A backend is registered under a name with up to three functions:
 
-* ``run(call) -> (output, weights | None)`` computes attention for a validated ``AttentionCall``;
+* ``run(call) -> (output, extra | None)`` computes attention for a validated ``AttentionCall``;
+  ``extra`` is the attention weights when ``call.return_weights``, the log-sum-exp of each row
+  when ``call.return_lse``, else None;
 * ``why_not(call) -> str | None`` says, in a sentence, why the backend cannot serve that call
   (``None`` when it can);
 * ``cost(call) -> Estimate`` (optional) says what serving the call would cost: seconds on this
@@ -31,10 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnkit._modification import ScoreMod, ScoreModification
 from attnkit.masks import BiasFn, MaskFn, causal_mask, checked_bias, checked_mask, materialize
-
-ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
-"""``score_mod(score, b, h, i, j) -> score``: a score modification (FlexAttention's)."""
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
@@ -42,6 +42,7 @@ __all__ = [
     "Backend",
     "BackendUnavailable",
     "Estimate",
+    "ScoreModification",
     "Verdict",
     "available_backends",
     "forced_backend",
@@ -76,7 +77,9 @@ class AttentionCall:
     without a value. ``score_mod(score,
     b, h, i, j) -> score`` rewrites the scaled (soft-capped, then biased) scores before masking
     (FlexAttention's score modification), called on broadcast index tensors as mask and bias
-    functions are.
+    functions are. ``return_lse`` asks for the natural log-sum-exp of each row ``(..., h, i)``
+    besides the output; ``block_sizes`` ``(block_q, block_k)`` are the tile sizes a tile engine
+    (``tiled``, ``sparse``) plans the call with, when given (flex's block mask's).
     """
 
     query: Tensor
@@ -92,6 +95,20 @@ class AttentionCall:
     softcap: float | None = None
     sinks: Tensor | None = None
     score_mod: ScoreMod | None = None
+    return_lse: bool = False
+    block_sizes: tuple[int, int] | None = None
+
+    @property
+    def modification(self) -> ScoreModification:
+        """What happens to a scaled score before the softmax (softcap, bias, score_mod), as one
+        ``ScoreModification``: the bias split into its tensor or its function."""
+        bias = self.bias
+        return ScoreModification(
+            softcap=self.softcap,
+            bias=None if bias is None or callable(bias) else bias,
+            bias_fn=bias if callable(bias) else None,
+            score_mod=self.score_mod,
+        )
 
     @property
     def n_queries(self) -> int:
@@ -453,7 +470,8 @@ def _signature(call: AttentionCall) -> tuple | None:
         | (call.softcap is None) << 5
         | (call.sinks is None) << 6
         | q.is_cpu << 7
-        | torch.get_num_threads() << 8
+        | call.return_lse << 8
+        | torch.get_num_threads() << 9
     )
     budget = _BUDGET.get()
     return (
@@ -465,6 +483,7 @@ def _signature(call: AttentionCall) -> tuple | None:
         None if bias is None else (bias.shape, bias.dtype),
         flags,
         _DEFAULT_BUDGET[0] if budget is None else budget,
+        call.block_sizes,
         *fns,
     )
 

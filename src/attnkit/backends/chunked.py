@@ -34,10 +34,14 @@ def why_not(call: AttentionCall) -> str | None:
         return nested_why_not(call)
     if call.return_weights:
         return "return_weights=True: chunked attention does not keep the full weights"
+    if call.return_lse:
+        return "return_lse=True: chunked attention does not return the log-sum-exp"
     if call.dropout_p > 0.0:
         return f"dropout_p={call.dropout_p}: chunked attention does not implement dropout"
-    if call.score_mod is not None:
-        return "score_mod: chunked attention has no score modification; 'tiled' has"
+    # It runs the reference per chunk of queries, whose positions a score_mod would misread.
+    reason = call.modification.unserved(("softcap", "bias", "bias_fn"), "chunked attention")
+    if reason is not None:
+        return reason
     return None
 
 

@@ -107,7 +107,8 @@ def why_not(call: AttentionCall) -> str | None:
 
 def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     block = structure_of(call.mask).block or WINDOW_BLOCK
-    return run_call(call, block_q=block, block_k=block, gather=True), None
+    block_q, block_k = call.block_sizes or (block, block)
+    return run_call(call, block_q=block_q, block_k=block_k, gather=True)
 
 
 register_backend(

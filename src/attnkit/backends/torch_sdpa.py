@@ -29,14 +29,16 @@ _HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 def why_not(call: AttentionCall) -> str | None:
-    if call.softcap is not None:
-        return "torch's fused kernel has no logit soft-capping (softcap)"
+    # It reads a bias as one dense additive mask (a bias function evaluated into one).
+    reason = call.modification.unserved(("bias", "bias_fn"), "torch's fused kernel")
+    if reason is not None:
+        return reason
     if call.sinks is not None:
         return "torch's fused kernel has no attention sinks (sinks)"
-    if call.score_mod is not None:
-        return "torch's fused kernel has no score modification (score_mod); 'tiled' has"
     if call.return_weights:
         return "torch's fused kernel does not return the attention weights"
+    if call.return_lse:
+        return "return_lse=True: torch's fused kernel does not return the log-sum-exp"
     if call.dropout_p > 0.0 and call.generator is not None:
         return "torch's fused kernel draws dropout from the global RNG and cannot take a generator"
     if call.groups > 1 and not _HAS_GQA:

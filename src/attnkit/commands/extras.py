@@ -20,6 +20,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "train": ("sklearn", "tqdm", "safetensors"),
     "llm": ("gguf", "tokenizers", "safetensors", "jinja2", "tqdm"),
     "hf": ("transformers", "sentence_transformers", "accelerate"),
+    "serve": ("fastapi", "uvicorn"),
 }
 
 # import name -> distribution name, where they differ
@@ -111,6 +112,11 @@ def _generate_needs(args: argparse.Namespace) -> tuple[str, ...]:
     return needs
 
 
+def _serve_needs(args: argparse.Namespace) -> tuple[str, ...]:
+    chat = argparse.Namespace(model=args.model, chat=True)  # /v1/chat/completions: the template
+    return ("fastapi", "uvicorn", *_generate_needs(chat))
+
+
 # command -> (the extras it is about, in order; the packages its arguments need)
 COMMANDS = {
     "demo": (
@@ -121,6 +127,7 @@ COMMANDS = {
     "train": (("train", "bert", "viz"), _train_needs),
     "evaluate": (("train", "bert"), lambda args: ("sklearn", "safetensors")),
     "generate": (("llm",), _generate_needs),
+    "serve": (("serve", "llm"), _serve_needs),
     "bench": ((), lambda args: ()),
 }
 

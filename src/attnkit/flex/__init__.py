@@ -1,4 +1,4 @@
-"""FlexAttention's API on attnkit's tiled engine: torch's flex code runs, and trains, on CPU.
+"""FlexAttention's API on attnkit's backends: torch's flex code runs, and trains, on CPU.
 
 ``flex_attention``, ``create_block_mask``, ``BlockMask``, ``and_masks``, ``or_masks`` and
 ``noop_mask`` have the names and meaning of ``torch.nn.attention.flex_attention`` (Dong et al.
@@ -7,8 +7,11 @@
 is called on one element (a score and four 0-d index tensors), vmapped over the grid as torch
 vmaps it, so reductions (``torch.dot(qf[q_idx], kf[kv_idx])``, ``.any()``), indexing captured
 tensors (``doc_ids[q_idx]``, ``table[h, q_idx - kv_idx]``) and elementwise ops mean what they
-mean in torch (``attnkit.flex.elementwise``). The engine is the tiled backend
-(``attnkit.backends.tiled``): no ``i x j`` tensor is built, and the backward recomputes each tile
+mean in torch (``attnkit.flex.elementwise``). ``flex_attention`` is a thin adapter: it makes
+one ``attnkit.scaled_dot_product_attention`` call (mask function, score_mod, scale, grouped
+heads, log-sum-exp, the block mask's tile sizes), so the registry chooses the backend as for any
+call (auto: the fastest here that serves it). With a score_mod that is a tile engine
+(``tiled`` or ``sparse``): no ``i x j`` tensor is built, and the backward recomputes each tile
 and differentiates through ``score_mod``, so gradients reach q, k, v and the tensors a score_mod
 captures (a learned bias table), which torch's CPU flex refuses.
 

@@ -1,15 +1,22 @@
-"""``flex_attention``: torch's signature, attnkit's tiled engine (see ``attnkit.flex``)."""
+"""``flex_attention``: torch's signature as one ``attnkit.scaled_dot_product_attention`` call.
+
+The adapter only translates: the block mask becomes a mask function that declares its layout
+(and its ``BLOCK_SIZE`` the tile sizes, ``block_sizes``), the per-element ``score_mod`` a
+function of broadcast index tensors (``elementwise.per_element``), ``enable_gqa`` grouped-query
+attention, ``return_lse`` the call's log-sum-exp. Which backend serves it is the registry's
+choice, as for any call: auto's where it applies (``attnkit.backends.explain``), or the one a
+``with attnkit.use(name)`` block names.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import Tensor
 
-from attnkit.backends.tiled import tiled_attention
 from attnkit.flex.block_mask import BlockMask
 from attnkit.flex.elementwise import per_element
+from attnkit.functional import scaled_dot_product_attention
 
 __all__ = ["ScoreMod", "flex_attention"]
 
@@ -39,7 +46,8 @@ def flex_attention(
     *,
     dropout_p: float = 0.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """torch's ``flex_attention`` (see the module docstring for the formula), differentiable.
+    """torch's ``flex_attention`` (see ``attnkit.flex`` for the formula), differentiable: one
+    ``attnkit.scaled_dot_product_attention`` call.
 
     Args:
         query: ``(b, h, i, d)``; key ``(b, h_kv, j, d)``; value ``(b, h_kv, j, dv)``, with
@@ -91,27 +99,22 @@ def flex_attention(
         if key.shape[0] != 1:
             raise ValueError(f"query batch {nb} and key/value batch {key.shape[0]} differ")
         key, value = key.expand(nb, *key.shape[1:]), value.expand(nb, *value.shape[1:])
-    mask_fn, block_q, block_k = None, None, None
+    mask_fn, block_sizes = None, None
     if block_mask is not None:
         block_mask = _as_block_mask(block_mask)
         _check_fits(block_mask, query, key)
         mask_fn = block_mask.mask_fn(nb, nh)
-        block_q, block_k = block_mask.BLOCK_SIZE
-    out, lse = tiled_attention(
+        block_sizes = tuple(block_mask.BLOCK_SIZE)
+    return scaled_dot_product_attention(
         query,
         key,
         value,
+        mask_fn,
         scale=scale,
-        mask_fn=mask_fn,
         score_mod=None if score_mod is None else per_element(score_mod, score=True),
-        block_q=block_q,
-        block_k=block_k,
-        return_lse=True,
+        return_lse=return_lse,
+        block_sizes=block_sizes,
     )
-    if not return_lse:
-        return out
-    # The engine marks a row that sees no key with the dtype's finite minimum; torch says -inf.
-    return out, lse.masked_fill(lse <= torch.finfo(lse.dtype).min, float("-inf"))
 
 
 def _check_fits(block_mask: BlockMask, query: Tensor, key: Tensor) -> None:

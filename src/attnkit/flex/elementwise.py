@@ -34,14 +34,6 @@ try:  # what torch.vmap does for each level, called directly (private names)
 except ImportError:  # pragma: no cover - torch.vmap itself, slower
     _add_batch_dim = _remove_batch_dim = vmap_increment_nesting = None  # type: ignore[assignment]
 
-# (b, h, q_idx, kv_idx) in_dims of each vmap, innermost first: torch's _vmap_for_bhqkv.
-_LEVELS = (
-    (None, None, None, 0),
-    (None, None, 0, None),
-    (None, 0, None, None),
-    (0, None, None, None),
-)
-
 
 class _IndexAsTorchDoes(TorchFunctionMode):
     """``tensor[index]`` with tensor or int indices read as ``aten.index(tensor, indices)``, as
@@ -90,32 +82,37 @@ def _vmap(fn: Callable[..., Tensor], in_dims: tuple[int | None, ...]) -> Callabl
 
 def per_element(fn: Callable[..., Tensor], *, score: bool) -> Callable[..., Tensor]:
     """``fn`` (a score_mod when ``score``, else a mask_mod) as a function of a tile's broadcast
-    index tensors, computing what torch computes: ``fn`` vmapped over b, h, q_idx, kv_idx.
+    index tensors, computing what torch computes: ``fn`` vmapped over every element.
 
-    The result has the tile's full shape ``(b, h, bi, bj)`` (a view where ``fn`` does not
-    depend on an index)."""
+    The index tensors may come in any layout the engine keeps its scores in (the tiled engine's
+    grouped rows ``(b, h_kv, rows, bj)``, where ``h`` varies along two axes): one vmap level
+    per axis of the broadcast shape, outermost first, each mapping the arguments that vary
+    along it. Each element's value is the same in any order of levels, so the result is torch's,
+    in the scores' own layout (a view where ``fn`` does not depend on an index)."""
     name = getattr(fn, "__name__", type(fn).__name__)
-    mapped = fn
-    prefix = (0,) if score else ()
-    for dims in _LEVELS:
-        mapped = _vmap(mapped, prefix + dims)
+    kind = "score_mod" if score else "mask_mod"
 
     def tile(*args: Tensor) -> Tensor:
-        *first, b, h, i, j = args
-        index = (b.reshape(-1), h.reshape(-1), i.reshape(-1), j.reshape(-1))
-        if any(t.numel() == 0 for t in index):  # vmap over an empty axis: nothing to call
-            like = first[0] if score else b
-            dtype = like.dtype if score else torch.bool
-            return like.new_empty([t.numel() for t in index], dtype=dtype)
+        rank = max(a.dim() for a in args)
+        args = tuple(a.reshape((1,) * (rank - a.dim()) + tuple(a.shape)) for a in args)
+        shape = torch.broadcast_shapes(*(a.shape for a in args))
+        if any(n == 0 for n in shape):  # vmap over an empty axis: nothing to call
+            dtype = args[0].dtype if score else torch.bool
+            return args[0].new_empty(shape, dtype=dtype)
+        axes = [x for x in range(rank) if shape[x] != 1]  # one vmap level each
+        squeezed = [a.reshape([a.shape[x] for x in axes if a.shape[x] != 1]) for a in args]
+        mapped = fn
+        for x in reversed(axes):  # innermost level first; outer levels peel their axis first
+            mapped = _vmap(mapped, tuple(0 if a.shape[x] != 1 else None for a in args))
         with _IndexAsTorchDoes():
-            out = mapped(*first, *index)
-        if out.dim() != 4:  # (b, h, bi, bj, ...): not one value per element
-            kind = "score_mod" if score else "mask_mod"
+            out = mapped(*squeezed)
+        if out.dim() != len(axes):  # (..., extra): not one value per element
             raise ValueError(
                 f"{kind} {name!r} must return one value per element (a 0-d tensor, as torch "
-                f"calls it), got shape {tuple(out.shape[4:])} for each (b, h, q_idx, kv_idx)"
+                f"calls it), got shape {tuple(out.shape[len(axes) :])} for each (b, h, q_idx, "
+                "kv_idx)"
             )
-        return out
+        return out.reshape(shape)
 
     tile.__name__ = name
     return tile

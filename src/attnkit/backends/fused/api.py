@@ -13,9 +13,9 @@ from torch import Tensor
 
 from attnkit._numerics import all_finite, blocked, compute_dtype
 from attnkit._structure import tile_plan
+from attnkit.backends.engine_inputs import engine_inputs
 from attnkit.backends.fused import jit
 from attnkit.backends.fused.plan import MATERIALIZE_BYTES, Plan, materialized_bytes, plan
-from attnkit.backends.tiled.api import _as4d
 from attnkit.backends.tiled.skipping import negligible_bits
 from attnkit.backends.tiled.softmax import LOG2E
 from attnkit.masks import BiasFn, MaskFn, pad_to_rank
@@ -32,6 +32,10 @@ BACKWARD_BLOCK_K = 256
 # In float32 a key's gradients sum one query tile per matmul in a single chain: at 256 queries
 # their largest error reached 2.3x that of torch's kernel, at 64 at most 1.8x, at the same speed.
 FLOAT32_BACKWARD_BLOCK_Q = 64
+
+# The parts of a ScoreModification the kernel reads: bias tensors and functions (evaluated per
+# tile in C++ where their structure allows, else as one tensor).
+SERVES = ("bias", "bias_fn")
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -288,12 +292,11 @@ def why_not(call: AttentionCall) -> str | None:
         return "return_weights=True: the fused kernel never builds the attention weights"
     if call.dropout_p > 0.0:
         return f"dropout_p={call.dropout_p}: the fused kernel has no dropout"
-    if call.softcap is not None:
-        return "softcap: the fused kernel has no logit soft-capping; backend 'tiled' has"
+    reason = call.modification.unserved(SERVES, "the fused kernel")
+    if reason is not None:
+        return reason
     if call.sinks is not None:
         return "sinks: the fused kernel has no attention sinks; backend 'tiled' has"
-    if call.score_mod is not None:
-        return "score_mod: the fused kernel has no score modification; backend 'tiled' has"
     if q.shape[-1] == 0 or call.value.shape[-1] == 0:
         return "zero-width heads: the fused kernel needs d >= 1 and dv >= 1"
     if callable(call.bias) and torch.is_grad_enabled():
@@ -323,18 +326,12 @@ def prepare() -> None:
 
 
 def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-    q, k, v = call.query, call.key, call.value
-    ndim, lead = q.ndim, tuple(q.shape[:-3])
-    q4, k4, v4 = (_as4d(t, ndim, lead) for t in (q, k, v))
-    mask_fn = call.mask if callable(call.mask) else None
-    mask_t = None if call.mask is None or mask_fn is not None else _as4d(call.mask, ndim, lead)
-    bias_fn = call.bias if callable(call.bias) else None
-    bias_t = None if call.bias is None or bias_fn is not None else _as4d(call.bias, ndim, lead)
-    out = fused_attention(
-        q4, k4, v4, scale=call.scale, mask=mask_t, mask_fn=mask_fn, bias=bias_t,
-        bias_fn=bias_fn, is_causal=call.is_causal,
+    x = engine_inputs(call)
+    out, lse = fused_attention(
+        x.q, x.k, x.v, scale=x.scale, mask=x.mask, mask_fn=x.mask_fn, bias=x.bias,
+        bias_fn=x.bias_fn, is_causal=x.is_causal, return_lse=True,
     )  # fmt: skip
-    return out.reshape(*q.shape[:-1], v.shape[-1]), None
+    return x.output(out), (x.lse(lse) if call.return_lse else None)
 
 
 register_backend(

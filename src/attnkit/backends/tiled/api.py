@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from attnkit._numerics import no_autocast
+from attnkit.backends.engine_inputs import engine_inputs
 from attnkit.backends.tiled.backward import backward
 from attnkit.backends.tiled.forward import forward
 from attnkit.backends.tiled.tiles import ScoreMod, Spec, tile_sizes
@@ -115,8 +116,10 @@ def tiled_attention(
     ``sinks`` ``(h,)`` as in ``scaled_dot_product_attention``; gradients reach ``sinks``.
 
     ``score_mod(score, b, h, i, j) -> score`` (FlexAttention's) rewrites each tile's scaled
-    (soft-capped, then biased) scores ``(b, h, bi, bj)`` before masking; gradients flow through it,
-    into the tensors it captures too. ``return_lse=True`` also returns the natural
+    (soft-capped, then biased) scores before masking, called on the tile itself in the engine's
+    layout ``(b, h_kv, bi * g, bj)`` with index tensors that say which element each score is
+    (``Tiles.index``), so it must be elementwise; gradients flow through it, into the tensors it
+    captures too. ``return_lse=True`` also returns the natural
     log-sum-exp of each row ``(b, h, i)`` (not differentiable).
     """
     if scale is None:
@@ -233,17 +236,6 @@ def _block_spec(
 # The registry entry: AttentionCall (any leading dims) -> 4-D tiled_attention.
 
 
-def _as4d(t: Tensor, ndim: int, lead: tuple[int, ...]) -> Tensor:
-    """A tensor broadcastable to (*lead, h, i, x), as 4-D (b, h, i, x) with b = prod(lead)."""
-    t = pad_to_rank(t, ndim)
-    if ndim <= 4:
-        return pad_to_rank(t, 4)
-    if all(s == 1 for s in t.shape[:-3]):
-        return t.reshape(1, *t.shape[-3:])
-    t = t.expand(*lead, *t.shape[-3:])  # a broadcast leading axis is copied here, only here
-    return t.reshape(-1, *t.shape[-3:])
-
-
 def why_not(call: AttentionCall) -> str | None:
     if call.query.is_nested:
         return nested_why_not(call)
@@ -270,38 +262,25 @@ def run_call(
     block_q: int | None = None,
     block_k: int | None = None,
     gather: bool = False,
-) -> Tensor:
-    """Serve an ``AttentionCall`` (any leading dims) with ``tiled_attention``; used by
-    ``sparse`` with its own tile sizes and ``gather``."""
-    q, k, v = call.query, call.key, call.value
-    ndim, lead = q.ndim, tuple(q.shape[:-3])
-    q4, k4, v4 = (_as4d(t, ndim, lead) for t in (q, k, v))
-    mask_fn = call.mask if callable(call.mask) else None
-    mask_t = None if call.mask is None or mask_fn is not None else _as4d(call.mask, ndim, lead)
-    bias_fn = call.bias if callable(call.bias) else None
-    bias_t = None if call.bias is None or bias_fn is not None else _as4d(call.bias, ndim, lead)
-    out = tiled_attention(
-        q4,
-        k4,
-        v4,
-        scale=call.scale,
-        mask=mask_t,
-        mask_fn=mask_fn,
-        bias=bias_t,
-        bias_fn=bias_fn,
-        is_causal=call.is_causal,
-        block_q=block_q,
-        block_k=block_k,
-        gather=gather,
-        softcap=call.softcap,
-        sinks=call.sinks,
-        score_mod=call.score_mod,
-    )
-    return out.reshape(*q.shape[:-1], v.shape[-1])
+) -> tuple[Tensor, Tensor | None]:
+    """Serve an ``AttentionCall`` (any leading dims) with ``tiled_attention``: the output and,
+    when ``call.return_lse``, the log-sum-exp. Tile sizes: as given (``sparse``, with
+    ``gather``), else the call's ``block_sizes``, else the engine's."""
+    if call.block_sizes is not None:
+        block_q = call.block_sizes[0] if block_q is None else block_q
+        block_k = call.block_sizes[1] if block_k is None else block_k
+    x = engine_inputs(call)
+    out, lse = tiled_attention(
+        x.q, x.k, x.v, scale=x.scale, mask=x.mask, mask_fn=x.mask_fn, bias=x.bias,
+        bias_fn=x.bias_fn, is_causal=x.is_causal, block_q=block_q, block_k=block_k,
+        gather=gather, softcap=x.modification.softcap, sinks=x.sinks,
+        score_mod=x.modification.score_mod, return_lse=True,
+    )  # fmt: skip
+    return x.output(out), (x.lse(lse) if call.return_lse else None)
 
 
 def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-    return run_call(call), None
+    return run_call(call)
 
 
 register_backend(

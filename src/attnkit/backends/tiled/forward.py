@@ -63,7 +63,7 @@ def _lazy_block(
     state = State()
     q_top = float(q_blk.norm(dim=-1).max())
     for sel, declared in tiles.groups(i0, i1):
-        allowed = tiles.allowed(i0, i1, sel, declared)
+        allowed = tiles.allowed(slice(i0, i1), sel, declared)
         if allowed is not None and not bool(allowed.any()):
             continue  # a tile that evaluates all blocked costs nothing more
         _, k_tt, v_t, _, k_top = keys.get(sel)
@@ -84,10 +84,10 @@ def _exact_block(
     k_norm = keys.norm
     assert k_norm is not None
     for sel, declared in tiles.order(i0, i1):
-        allowed = tiles.allowed(i0, i1, sel, declared)
+        allowed = tiles.allowed(slice(i0, i1), sel, declared)
         if allowed is not None and not bool(allowed.any()):
             continue
-        bias = tiles.bias(i0, i1, sel)
+        bias = tiles.bias(slice(i0, i1), sel)
         _, k_tt, v_t, _, _ = keys.get(sel)
         lo, hi = 0, tiles.hk  # the key heads to compute: all, unless some are negligible
         if keys.bad is None and can_skip(tiles, allowed, bias, sel):  # skipping would hide them
@@ -97,7 +97,7 @@ def _exact_block(
         if lo == hi:
             continue
         if (lo, hi) == (0, tiles.hk):  # every head: the whole tensors, no copies
-            s = tiles.logits(q_blk, k_tt, allowed, bias, tiles.modifier(i0, i1, sel))
+            s = tiles.logits(q_blk, k_tt, allowed, bias, (slice(i0, i1), sel))
             reach.add(s, sel)
             state = update(state, s, v_t, exact_shift(state, s), tiles.flush_below, tiles.blocked)
             continue

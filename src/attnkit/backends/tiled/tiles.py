@@ -18,19 +18,11 @@ from torch import Tensor
 
 from attnkit._numerics import all_finite, blocked, compute_dtype
 from attnkit._structure import tile_plan
-from attnkit.backends.tiled.layout import (
-    bmm,
-    flat,
-    flip_queries,
-    keys,
-    rows,
-    tile_rows,
-    unflat,
-    unrows,
-)
+from attnkit.backends.tiled.layout import bmm, flip_queries, keys, tile_rows, unflat
 from attnkit.backends.tiled.relative import Relative
-from attnkit.backends.tiled.softmax import LN2, LOG2E
+from attnkit.backends.tiled.softmax import LOG2E
 from attnkit.masks import BiasFn, MaskFn, checked_bias, checked_mask, structure_of
+from attnkit.registry import ScoreModification
 
 __all__ = ["BLOCK_K", "BLOCK_K_BIAS", "BLOCK_Q", "BLOCK_Q_BIAS", "KeyTiles", "Spec", "Tiles"]
 
@@ -40,11 +32,12 @@ BLOCK_K = 256
 BLOCK_Q_BIAS = 256  # with a bias: finer head skipping, and per-tile bias work still amortises
 BLOCK_K_BIAS = 512
 
-Sel = slice | Tensor  # the keys of a tile: a contiguous slice, or gathered indices (sparse)
+Sel = slice | Tensor  # the keys (or queries) of a tile: a contiguous slice, or gathered indices
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 """``score_mod(score, b, h, i, j) -> score``: FlexAttention's score modification; ``score`` is
-the scaled (soft-capped, then biased) score of a tile ``(b, h, bi, bj)``, positions are
-absolute."""
+the scaled (soft-capped, then biased) score of a tile in the engine's own layout ``(b, h_kv,
+bi * g, bj)`` (``(b, h, bi, bj)`` when ``g = 1``), with ``b, h, i, j`` broadcastable index
+tensors of absolute positions that say which element each is (``Tiles.index``)."""
 
 
 @dataclass(frozen=True)
@@ -106,42 +99,76 @@ class Tiles:
                 spec.bias_fn, shape, spec.q_offset, spec.k_offset, self.dtype, device
             )
         self.reverse = self.relative is not None
+        # The engine's query order: each query tile's rows reversed when ``reverse``. A query
+        # selection ``qs`` (a slice or index tensor) indexes this order; its positions are
+        # ``order[qs]``.
+        self.order_of_queries = torch.arange(self.ni, device=device)
+        if self.reverse:
+            self.order_of_queries = torch.cat(
+                [
+                    self.order_of_queries[i0 : i0 + spec.block_q].flip(0)
+                    for i0 in range(0, self.ni, spec.block_q)
+                ]
+            )
+        self.modification = ScoreModification(spec.softcap, spec.bias, spec.bias_fn, spec.score_mod)
         structure = None if spec.mask_fn is None else structure_of(spec.mask_fn)
         self.plan = tile_plan(
             structure, self.ni, self.nj, spec.block_q, spec.block_k, spec.q_offset, spec.k_offset
         )
 
-    def heads_layout(self, s: Tensor) -> Tensor:
-        """Base-2 row-layout logits ``(b * h_kv, rows, bj)`` as natural-unit scores by head,
-        ``(b, h, bi, bj)`` (a copy): what a score modification sees."""
-        return unrows(unflat(s, self.nb), self.g) * LN2
+    def index(self, qs: Sel, sel: Sel) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The ``(b, h, i, j)`` of each score of a tile in the engine's layout ``(b, h_kv,
+        rows, bj)`` (row ``r`` is query ``r // g`` of head ``kv * g + r % g``), as index
+        tensors broadcastable to it: ``b (b, 1, 1, 1)``, ``h (1, h_kv, rows, 1)``, ``i (1, 1,
+        rows, 1)``, ``j (1, 1, 1, bj)``; what a score modification is called with, on the
+        engine's own scores (no layout copy)."""
+        i, j = self._positions(qs, sel)  # (1, 1, bi, 1), (1, 1, 1, bj)
+        g, device = self.g, self.b_idx.device
+        n_rows = i.shape[2] * g
+        h = torch.arange(self.hk, device=device).view(1, -1, 1, 1) * g  # (1, h_kv, 1, 1)
+        h = h + torch.arange(g, device=device).repeat(i.shape[2]).view(1, 1, n_rows, 1)
+        return self.b_idx, h, i.repeat_interleave(g, dim=2), j
 
-    def rows_layout(self, scores: Tensor) -> Tensor:
-        """The inverse of ``heads_layout``: ``(b, h, bi, bj)`` -> ``(b * h_kv, rows, bj)``."""
-        return flat(rows(scores * LOG2E, self.g)).contiguous()
+    def in_order(self, x: Tensor) -> Tensor:
+        """A row-layout tensor ``(n, i * g, ...)`` in the engine's query order (each query
+        tile's rows reversed when ``reverse``; its own inverse), else ``x`` itself."""
+        if not self.reverse:
+            return x
+        g, step = self.g, self.spec.block_q * self.g
+        return torch.cat(
+            [flip_queries(x[:, r0 : r0 + step], g) for r0 in range(0, x.shape[1], step)], dim=1
+        )
 
-    def score_mod(self, scores: Tensor, i0: int, i1: int, sel: Sel) -> Tensor:
-        """``spec.score_mod`` on the natural scores ``(b, h, bi, bj)`` of a tile, checked."""
-        i, j = self._positions(i0, i1, sel)
-        out = self.spec.score_mod(scores, self.b_idx, self.h_idx, i, j)  # type: ignore[misc]
-        if not isinstance(out, Tensor) or out.shape != scores.shape:
-            got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-            raise ValueError(
-                f"score_mod must return a tensor of the score's shape {tuple(scores.shape)}, "
-                f"got {got}"
-            )
-        return out
+    def rows_of(self, qs: Sel) -> Sel:
+        """The rows of a row-layout tensor in the engine's order that hold queries ``qs``."""
+        g = self.g
+        if isinstance(qs, slice):
+            return slice(qs.start * g, qs.stop * g)
+        return (qs.view(-1, 1) * g + torch.arange(g, device=qs.device)).flatten()
 
-    def modifier(self, i0: int, i1: int, sel: Sel) -> Callable[[Tensor], Tensor] | None:
-        """The ``mod`` for ``logits`` of a tile (no gradient), or None without a score_mod."""
-        if self.spec.score_mod is None:
-            return None
-
-        def mod(s: Tensor) -> Tensor:
-            scores = self.heads_layout(s)
-            return self.rows_layout(self.score_mod(scores, i0, i1, sel).to(scores.dtype))
-
-        return mod
+    def query_groups(self, kb: int, column: list[list[int]]) -> list[tuple[Sel, Sel, bool | None]]:
+        """The backward's groups of key tile ``kb``: ``(queries, keys, state)`` for each query
+        tile ``(i0, i1, full)`` of its ``column`` (``TilePlan.by_key``); with ``gather``, all of
+        them as one group of gathered queries (fewer, larger matmuls), as ``groups`` gathers
+        keys."""
+        spec = self.spec
+        j0 = kb * spec.block_k
+        keys_sel = slice(j0, min(self.nj, j0 + spec.block_k))
+        tiles = [(slice(i0, i1), keys_sel, True if full else None) for i0, i1, full in column]
+        if not spec.gather or len(tiles) <= 1:
+            return tiles
+        state = True if all(t[2] is True for t in tiles) else None
+        runs: list[list[int]] = []
+        for qs, _, _ in tiles:
+            if runs and runs[-1][1] == qs.start:
+                runs[-1][1] = qs.stop
+            else:
+                runs.append([qs.start, qs.stop])
+        if len(runs) == 1 and not self.reverse:  # (reversed tiles: one slice is one tile)
+            return [(slice(runs[0][0], runs[0][1]), keys_sel, state)]
+        device = self.b_idx.device
+        idx = torch.cat([torch.arange(a, b, device=device) for a, b in runs])
+        return [(idx, keys_sel, state)]
 
     def sink_rows(self, sinks: Tensor | None, i0: int, i1: int) -> Tensor | None:
         """The base-2 sink logit of each row of query block ``[i0, i1)``: ``(b * h_kv, rows)``
@@ -194,58 +221,60 @@ class Tiles:
 
         return sorted(groups, key=distance)
 
-    def _slice(self, t: Tensor, i0: int, i1: int, sel: Sel) -> Tensor:
-        """Tile of a tensor broadcastable to (b, h, i, j)."""
+    def _slice(self, t: Tensor, qs: Sel, sel: Sel) -> Tensor:
+        """Tile of a tensor broadcastable to (b, h, i, j), queries in the engine's order."""
         if t.shape[2] != 1:
-            t = t[:, :, i0:i1].flip(2) if self.reverse else t[:, :, i0:i1]
+            if isinstance(qs, slice):
+                t = t[:, :, qs].flip(2) if self.reverse else t[:, :, qs]
+            else:
+                t = t.index_select(2, self.order_of_queries[qs])
         if t.shape[3] != 1:
             t = t[:, :, :, sel] if isinstance(sel, slice) else t.index_select(3, sel)
         return t
 
-    def _positions(self, i0: int, i1: int, sel: Sel) -> tuple[Tensor, Tensor]:
+    def _positions(self, qs: Sel, sel: Sel) -> tuple[Tensor, Tensor]:
         """Absolute query positions ``(1, 1, bi, 1)`` and key positions ``(1, 1, 1, bj)``."""
         device = self.b_idx.device
         qo, ko = self.spec.q_offset, self.spec.k_offset
-        i = torch.arange(i0 + qo, i1 + qo, device=device)
-        i = (i.flip(0) if self.reverse else i).view(1, 1, -1, 1)
+        i = self.order_of_queries[qs] + qo
         j = torch.arange(sel.start, sel.stop, device=device) if isinstance(sel, slice) else sel
-        return i, (j + ko).view(1, 1, 1, -1)
+        return i.view(1, 1, -1, 1), (j + ko).view(1, 1, 1, -1)
 
-    def allowed(self, i0: int, i1: int, sel: Sel, state: bool | None) -> Tensor | None:
+    def allowed(self, qs: Sel, sel: Sel, state: bool | None) -> Tensor | None:
         """Bool tile (broadcastable, row layout) of allowed positions; None = all allowed."""
         spec = self.spec
         parts = []
         if spec.mask is not None:
-            parts.append(self._slice(spec.mask, i0, i1, sel))
+            parts.append(self._slice(spec.mask, qs, sel))
         if spec.mask_fn is not None and state is None:
-            i, j = self._positions(i0, i1, sel)
+            i, j = self._positions(qs, sel)
             parts.append(checked_mask(spec.mask_fn(self.b_idx, self.h_idx, i, j)))
         if not parts:
             return None
         allowed = parts[0]
         for p in parts[1:]:
             allowed = allowed & p
-        return tile_rows(allowed, self.g, i1 - i0, _width(sel))
+        return tile_rows(allowed, self.g, _width(qs), _width(sel))
 
-    def bias(self, i0: int, i1: int, sel: Sel) -> Tensor | None:
+    def bias(self, qs: Sel, sel: Sel) -> Tensor | None:
         """Float tile (broadcastable, row layout) of the bias, in natural units; None = none.
 
         For a relative bias function and a contiguous tile: a 5-D view
         ``(1, h_kv, i1 - i0, g, bj)`` (``Relative.tile``) instead.
         """
         spec = self.spec
-        if self.relative is not None and isinstance(sel, slice):
-            return self.relative.tile(i0, i1, sel.start, sel.stop)
+        if self.relative is not None and isinstance(sel, slice) and isinstance(qs, slice):
+            return self.relative.tile(qs.start, qs.stop, sel.start, sel.stop)
         parts = []
         if spec.bias is not None:
-            parts.append(self._slice(spec.bias, i0, i1, sel))
+            parts.append(self._slice(spec.bias, qs, sel))
         if spec.bias_fn is not None:
-            i, j = self._positions(i0, i1, sel)
+            i, j = self._positions(qs, sel)
             parts.append(checked_bias(spec.bias_fn(self.b_idx, self.h_idx, i, j)))
         if not parts:
             return None
         bias = parts[0] if len(parts) == 1 else parts[0] + parts[1]
-        return tile_rows(bias.to(self.dtype), self.g, i1 - i0, _width(sel))
+        return tile_rows(bias.to(self.dtype), self.g, _width(qs), _width(sel))
 
     def logits(
         self,
@@ -253,16 +282,18 @@ class Tiles:
         k_tt: Tensor,
         allowed: Tensor | None,
         bias: Tensor | None,
-        mod: Callable[[Tensor], Tensor] | None = None,
+        at: tuple[Sel, Sel] | None = None,
     ) -> Tensor:
-        """Base-2 logits ``(b * h_kv, rows, bj)`` of a tile: scores, soft-capping, bias, ``mod``
-        (the score modification, see ``score_mod``), mask, in that order (the reference's).
+        """Base-2 logits ``(b * h_kv, rows, bj)`` of a tile: scores, then the call's score
+        modification (soft-capping, bias, score_mod: ``ScoreModification.apply``), then the
+        mask, in that order (the reference's).
 
         ``q2`` ``(b * h_kv, rows, d)`` is the query block already multiplied by
         ``scale * log2(e)``; ``k_tt`` ``(b * h_kv, d, bj)`` the key tile, transposed;
-        ``allowed`` and ``bias`` as returned by ``allowed`` and ``bias``.
+        ``allowed`` and ``bias`` as returned by ``allowed`` and ``bias``; ``at`` the tile's
+        ``(queries, keys)``, needed with a score_mod (``index``).
         """
-        return self._logits(q2, k_tt, allowed, bias, mod, with_slope=False)[0]
+        return self._logits(q2, k_tt, allowed, bias, at, self.modification, False)[0]
 
     def logits_and_slope(
         self,
@@ -270,11 +301,14 @@ class Tiles:
         k_tt: Tensor,
         allowed: Tensor | None,
         bias: Tensor | None,
-        mod: Callable[[Tensor], Tensor] | None = None,
+        at: tuple[Sel, Sel] | None = None,
+        modification: ScoreModification | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """``logits`` and, with soft-capping, its slope ``d capped / d raw = 1 - tanh^2``
-        ``(b * h_kv, rows, bj)`` (None without): the backward's chain rule through the cap."""
-        return self._logits(q2, k_tt, allowed, bias, mod, with_slope=True)
+        ``(b * h_kv, rows, bj)`` (None without): the backward's chain rule through the cap.
+        ``modification`` replaces the call's (the backward records its score_mod)."""
+        modification = self.modification if modification is None else modification
+        return self._logits(q2, k_tt, allowed, bias, at, modification, True)
 
     def _logits(
         self,
@@ -282,30 +316,28 @@ class Tiles:
         k_tt: Tensor,
         allowed: Tensor | None,
         bias: Tensor | None,
-        mod: Callable[[Tensor], Tensor] | None,
+        at: tuple[Sel, Sel] | None,
+        modification: ScoreModification,
         with_slope: bool,
     ) -> tuple[Tensor, Tensor | None]:
         s = bmm(q2, k_tt)  # (b * h_kv, rows, bj)
-        softcap = self.spec.softcap
-        if bias is None and allowed is None and softcap is None and mod is None:
+        softcap, score_mod = modification.softcap, modification.score_mod
+        if bias is None and allowed is None and softcap is None and score_mod is None:
             return s, None
         slope = None
-        if softcap is not None:  # logit soft-capping (Gemma 2) of q.k alone, base-2 units
-            cap = softcap * LOG2E
-            s.div_(cap).tanh_()
-            if with_slope:
-                slope = s.square().neg_().add_(1.0)
-            s.mul_(cap)
-        s4 = unflat(s, self.nb)  # (b, h_kv, rows, bj), same memory
-        if bias is not None and bias.dim() == 5:  # a relative view (1, h_kv, queries, g, bj)
-            s4.view(*s4.shape[:2], -1, self.g, s4.shape[3]).add_(bias, alpha=LOG2E)
-        elif bias is not None:
-            s4.add_(bias, alpha=LOG2E)
-        if mod is not None:
-            s = mod(s)
-            s4 = unflat(s, self.nb)
+        if bias is not None or softcap is not None or score_mod is not None:
+            index = None
+            if score_mod is not None:
+                assert at is not None, "a score_mod needs the tile's positions"
+                index = self.index(*at)
+            s4, slope = modification.apply(
+                unflat(s, self.nb), bias, index, unit=LOG2E, slope=with_slope, inplace=True
+            )  # (b, h_kv, rows, bj), the same memory as s unless a score_mod made new scores
+            s = s4.flatten(0, 1)
+            if slope is not None:
+                slope = slope.flatten(0, 1)
         if allowed is not None:
-            s4.masked_fill_(~allowed, self.blocked)
+            unflat(s, self.nb).masked_fill_(~allowed, self.blocked)
         return s, slope
 
 

@@ -1,0 +1,272 @@
+"""``attnkit serve`` under load: throughput, time to first token, inter-token latency, and the
+prefix cache, beside llama.cpp's server when it is installed.
+
+The server runs in its own process (``python -m attnkit.cli serve``, the bundled
+SmolLM2-135M-Instruct, ``--threads`` torch threads); the clients are threads of this process
+that stream ``/v1/completions`` as server-sent events and time each event. It reports:
+
+1. load: for 1, 4, 8 and 16 concurrent clients, each streaming ``--new`` tokens (128) after a
+   prompt of ``--prompt`` tokens (64; token ids drawn at random, a different prompt per
+   request so that the prefix cache does not help), greedy, ``ignore_eos`` so every request
+   runs to its length: aggregate tokens/s (all tokens over the wall time of the round), time to
+   first token and inter-token latency (p50 and p99 over every request and gap), and the
+   speed-up over one client;
+2. prefix cache: time to first token (one new token) of a request whose ``--system`` (1,000)
+   token system prompt is already cached, against the same request with a system prompt never
+   seen (medians over ``--rounds`` requests);
+3. llama.cpp: the same load grid against ``python -m llama_cpp.server`` on the same GGUF with
+   the same threads, when ``llama_cpp.server`` imports (``make bench-peers`` installs it).
+   It does not take ``ignore_eos``: a ``logit_bias`` of -100 on the end-of-sequence token does
+   the same.
+
+    PYTHONPATH=src python benchmarks/serve.py              # the tables, docs/benchmarks.md
+    PYTHONPATH=src python benchmarks/serve.py --quick      # a tiny grid, print only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
+
+import requests
+from _report import cpu, environment, write_section
+
+VOCAB = 49_152  # SmolLM2's
+EOS = 2  # SmolLM2's <|im_end|>
+
+
+@dataclass
+class Timing:
+    """One streamed request: seconds to the first token and between tokens, tokens received."""
+
+    ttft: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+def stream(url: str, prompt: list[int], new: int, extra: dict) -> Timing:
+    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True, **extra}
+    timing, start, last = Timing(), time.perf_counter(), None
+    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if not event.get("choices") or event["choices"][0].get("finish_reason"):
+                continue
+            now = time.perf_counter()
+            if last is None:
+                timing.ttft = now - start
+            else:
+                timing.gaps.append(now - last)
+            last = now
+            timing.tokens += 1
+    return timing
+
+
+def load_round(url: str, clients: int, prompt_len: int, new: int, extra: dict, seed: int) -> dict:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, VOCAB) for _ in range(prompt_len)] for _ in range(clients)]
+    results: list[Timing] = [Timing()] * clients
+
+    def run(k: int) -> None:
+        results[k] = stream(url, prompts[k], new, extra)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    ttfts = [r.ttft for r in results]
+    gaps = [g for r in results for g in r.gaps]
+    return {
+        "clients": clients,
+        "tokens_per_s": sum(r.tokens for r in results) / wall,
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
+        "itl_p50": percentile(gaps, 50),
+        "itl_p99": percentile(gaps, 99),
+    }
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def prefix_cache(url: str, system: int, rounds: int, extra: dict) -> dict:
+    """Median TTFT of one new token after a cached and after a never-seen system prompt."""
+    rng = random.Random(1)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, VOCAB) for _ in range(n)]
+
+    cached_system = tokens(system)
+    stream(url, cached_system + tokens(8), 1, extra)  # fills the cache
+    cached, uncached = [], []
+    for _ in range(rounds):  # alternate, so a change of load hits both
+        cached.append(stream(url, cached_system + tokens(8), 1, extra).ttft)
+        uncached.append(stream(url, tokens(system) + tokens(8), 1, extra).ttft)
+    return {"cached": statistics.median(cached), "uncached": statistics.median(uncached)}
+
+
+def start_server(argv: list[str], url: str, env: dict) -> subprocess.Popen:
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{argv[2]} stopped: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if requests.get(url + "/v1/models", timeout=1).ok:
+                return proc
+        except requests.ConnectionError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"{argv[2]} did not start in 300 s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def llama_cpp_available() -> bool:
+    """``llama_cpp.server`` with its own dependencies (an import in a fresh process)."""
+    probe = [sys.executable, "-c", "import llama_cpp.server.app"]
+    return subprocess.run(probe, capture_output=True).returncode == 0
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from attnkit.models.llama import bundled_model_path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    gguf = str(bundled_model_path())
+    port = args.port
+    out: dict = {"attnkit": [], "llama.cpp": [], "prefix": None}
+    servers = {
+        "attnkit": (
+            [
+                *(sys.executable, "-m", "attnkit.cli", "serve", "--port", str(port)),
+                *("--threads", str(args.threads), "--max-batch", str(max(args.clients))),
+                *("--kv-blocks", str(args.kv_blocks)),
+            ],
+            {"ignore_eos": True},
+        ),
+    }
+    if not args.no_llama_cpp and llama_cpp_available():
+        servers["llama.cpp"] = (
+            [
+                *(sys.executable, "-m", "llama_cpp.server", "--model", gguf),
+                *("--port", str(port + 1), "--n_threads", str(args.threads), "--n_ctx", "8192"),
+            ],
+            {"logit_bias": {str(EOS): -100}},
+        )
+    for name, (argv, extra) in servers.items():
+        url = f"http://127.0.0.1:{port if name == 'attnkit' else port + 1}"
+        proc = start_server(argv, url, env)
+        try:
+            load_round(url, 1, args.prompt, 4, extra, seed=0)  # warm-up
+            for clients in args.clients:
+                row = load_round(url, clients, args.prompt, args.new, extra, seed=clients)
+                print(json.dumps({name: row}), flush=True)
+                out[name].append(row)
+            if name == "attnkit":
+                out["prefix"] = prefix_cache(url, args.system, args.rounds, extra)
+        finally:
+            stop_server(proc)
+    return out
+
+
+def report(out: dict, args: argparse.Namespace) -> str:
+    lines = [
+        "## Serving: `attnkit serve` under load",
+        "",
+        f"Each client streams {args.new} tokens after a {args.prompt}-token prompt (greedy, "
+        f"to its length); {args.threads} threads.",
+        "",
+        "| server | clients | tokens/s | vs 1 client | TTFT p50 (ms) | TTFT p99 (ms) "
+        "| ITL p50 (ms) | ITL p99 (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in ("attnkit", "llama.cpp"):
+        rows = out[name]
+        for row in rows:
+            base = rows[0]["tokens_per_s"]
+            lines.append(
+                f"| {name} | {row['clients']} | {row['tokens_per_s']:.1f} | "
+                f"{row['tokens_per_s'] / base:.2f}x | {row['ttft_p50'] * 1e3:.0f} | "
+                f"{row['ttft_p99'] * 1e3:.0f} | {row['itl_p50'] * 1e3:.1f} | "
+                f"{row['itl_p99'] * 1e3:.1f} |"
+            )
+    if not out["llama.cpp"]:
+        lines += ["", "llama.cpp's server was not measured (`llama_cpp.server` does not import)."]
+    p = out["prefix"]
+    if p:
+        lines += [
+            "",
+            f"Time to first token after a {args.system}-token system prompt: "
+            f"{p['cached'] * 1e3:.0f} ms cached, {p['uncached'] * 1e3:.0f} ms uncached "
+            f"({p['uncached'] / p['cached']:.1f}x), medians of {args.rounds}.",
+        ]
+    lines += [
+        "",
+        f"CPU {cpu()}, load average {os.getloadavg()[0]:.1f} at the end. "
+        "`python benchmarks/serve.py --write`.",
+        "",
+        environment(),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens (64)")
+    parser.add_argument("--new", type=int, default=128, help="tokens per request (128)")
+    parser.add_argument("--system", type=int, default=1000, help="cached system prompt (1,000)")
+    parser.add_argument("--rounds", type=int, default=5, help="prefix-cache requests (5)")
+    parser.add_argument("--threads", type=int, default=2, help="threads of each server (2)")
+    parser.add_argument("--kv-blocks", type=int, default=1024, help="attnkit's KV blocks (1,024)")
+    parser.add_argument("--port", type=int, default=8317, help="attnkit's port; llama.cpp +1")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="attnkit only")
+    parser.add_argument("--quick", action="store_true", help="1 and 2 clients, tiny; print only")
+    parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.clients, args.prompt, args.new, args.system, args.rounds = [1, 2], 8, 8, 64, 2
+        args.kv_blocks = 64
+    if min(args.clients) < 1 or min(args.prompt, args.new, args.system, args.rounds) < 1:
+        parser.error("--clients, --prompt, --new, --system and --rounds must be >= 1")
+    markdown = report(measure(args), args)
+    print(markdown)
+    if args.write and not args.quick:
+        print(f"wrote {write_section('serve', markdown)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

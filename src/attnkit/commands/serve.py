@@ -1,0 +1,105 @@
+"""``attnkit serve``: an OpenAI-compatible HTTP server for a Llama model.
+
+The bundled SmolLM2-135M-Instruct unless ``--model`` names a ``.gguf`` file or a Hugging Face
+Llama directory. Requests are batched continuously over a paged KV cache with prefix caching
+(``attnkit.serve``). Binds 127.0.0.1 unless ``--host`` says otherwise: a server reachable from
+the network is a choice, not a default. SIGTERM (or Ctrl-C) stops accepting connections, lets
+what runs finish for up to ``--shutdown-timeout`` seconds, cancels the rest, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a Llama model over an OpenAI-compatible HTTP API",
+        description="Serve the bundled SmolLM2-135M-Instruct (or --model) at /v1/chat/completions "
+        "and /v1/completions (streaming or not), /v1/models, /health and /metrics, with "
+        "continuous batching, a paged KV cache and prefix caching. Point the openai client at "
+        "http://HOST:PORT/v1.",
+    )
+    p.add_argument("--model", type=Path, default=None, help="a .gguf file or a Llama directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks (default 512)")
+    p.add_argument("--block-size", type=int, default=16, help="positions per KV block")
+    p.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens computed per step")
+    p.add_argument("--no-prefix-cache", action="store_true", help="do not share prompt prefixes")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.set_defaults(func=run)
+
+
+def load_model(path: Path | None) -> Any:
+    """The model to serve (tests replace this seam)."""
+    from attnkit.models.llama import load_pretrained
+
+    return load_pretrained(path)
+
+
+def check(args: argparse.Namespace) -> None:
+    """Every argument, before the model loads."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    for name in ("max_batch", "kv_blocks", "block_size", "chunk_tokens", "threads"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.chunk_tokens < args.max_batch:
+        raise ValueError(
+            f"--chunk-tokens ({args.chunk_tokens}) must be at least --max-batch "
+            f"({args.max_batch}): each running sequence decodes one token per step"
+        )
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.model is not None and not args.model.exists():
+        raise FileNotFoundError(f"model {str(args.model)!r} does not exist")
+
+
+def run(args: argparse.Namespace) -> int:
+    check(args)
+    import uvicorn
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from attnkit.serve.app import create_app
+    from attnkit.serve.engine import Engine
+
+    llm = load_model(args.model)
+    engine = Engine(
+        llm.model,
+        num_blocks=args.kv_blocks,
+        block_size=args.block_size,
+        max_batch=args.max_batch,
+        max_waiting=args.max_waiting,
+        chunk_tokens=args.chunk_tokens,
+        prefix_caching=not args.no_prefix_cache,
+        eos_id=llm.eos_id,
+    )
+    name = Path(llm.path).stem if getattr(llm, "path", None) else "attnkit"
+    app = create_app(llm, engine, model_name=name, shutdown_timeout=args.shutdown_timeout)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=max(1, round(args.shutdown_timeout)),
+    )
+    # uvicorn handles SIGTERM (stop accepting, drain, shut the application down) and then
+    # raises the signal again under the handler that was there before: a quiet one, so the
+    # process ends with 0 after a clean shutdown instead of dying by the signal.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    uvicorn.Server(config).run()
+    return 0

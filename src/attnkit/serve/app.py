@@ -1,0 +1,442 @@
+"""The OpenAI-compatible HTTP API over an ``Engine``: chat and text completions, models, health,
+Prometheus metrics.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as server-sent
+events with ``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. The
+request and response bodies follow OpenAI's API reference, so the ``openai`` client works
+unchanged (``base_url="http://127.0.0.1:8000/v1"``).
+
+Errors are OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``: 400 for a request
+that can never succeed (unknown model, empty messages, ``max_tokens`` < 1 or past the context,
+a prompt longer than the context, ``temperature`` outside 0..2, ``top_p`` outside (0, 1]),
+429 when the waiting queue is full, 503 while shutting down. A client's mistake is never a 500.
+
+Each request's tokens come from the engine's thread as events, handed to the event loop with
+``call_soon_threadsafe``. When the client goes away (a stream closed, a request dropped), its
+sequence is cancelled and its KV blocks return to the pool at the engine's next step.
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the handlers' annotations at runtime,
+# and ``Request`` is imported inside ``create_app`` (FastAPI is an optional dependency).
+import asyncio
+import contextlib
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from attnkit.models.llama_generate import Sampling
+from attnkit.serve.engine import Engine, EngineStopped, Generation, QueueFull
+from attnkit.serve.text import TextStream
+
+__all__ = ["ApiError", "create_app", "metrics_text"]
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's JSON with ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code = code or {400: "invalid_request_error", 429: "rate_limit_exceeded"}.get(
+            status, "server_error"
+        )
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 and self.status != 429 else self.code
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+
+
+def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: float = 30.0) -> Any:
+    """The FastAPI application. ``llm`` gives ``encode``, ``decode``, ``chat_prompt``,
+    ``tokenizer`` and ``eos_id`` (a ``PretrainedLlama``); ``engine`` runs its model. The
+    engine's thread starts with the application and stops with it (finishing what runs for up
+    to ``shutdown_timeout`` seconds)."""
+    try:
+        from fastapi import FastAPI, Request
+        from fastapi.exceptions import RequestValidationError
+        from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    except ImportError as err:
+        raise ImportError(
+            "attnkit serve needs FastAPI and uvicorn: pip install 'attnkit[serve]'", name=err.name
+        ) from err
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        if not engine.started:
+            engine.start()
+        yield
+        await asyncio.to_thread(engine.stop, shutdown_timeout)
+
+    app = FastAPI(title="attnkit serve", lifespan=lifespan)
+    created = int(time.time())
+    rejected = {"queue_full": 0, "shutting_down": 0, "bad_request": 0}
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Any:
+        if exc.status == 400:
+            rejected["bad_request"] += 1
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Any:
+        return await api_error(request, ApiError(400, f"invalid request: {exc.errors()[:3]}"))
+
+    @app.get("/health")
+    async def health() -> Any:
+        if not engine.accepting:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "attnkit"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return PlainTextResponse(
+            metrics_text(engine, rejected), media_type="text/plain; version=0.0.4"
+        )
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ApiError(400, f"the request body is not valid JSON: {err}") from err
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != model_name:
+            raise ApiError(
+                400,
+                f"unknown model {model!r}: this server runs {model_name!r}",
+                "model",
+                "model_not_found",
+            )
+        if body.get("n", 1) != 1:
+            raise ApiError(400, "n must be 1: one choice per request", "n")
+        return body
+
+    def start(
+        prompt: list[int], body: Mapping[str, Any], default_max: int | None
+    ) -> tuple[Generation, asyncio.Queue]:
+        room = engine.max_len - len(prompt)
+        if room < 1:
+            raise ApiError(
+                400,
+                f"the prompt has {len(prompt)} tokens; the model's context is {engine.max_len}",
+                "messages" if "messages" in body else "prompt",
+                "context_length_exceeded",
+            )
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = min(default_max or room, room) if max_tokens is None else max_tokens
+        if not _is_int(max_tokens) or not 1 <= max_tokens <= room:
+            raise ApiError(
+                400,
+                f"max_tokens must be an int in 1..{room} (the context of {engine.max_len} less "
+                f"the prompt's {len(prompt)} tokens), got {max_tokens!r}",
+                "max_tokens",
+            )
+        sampling = _sampling(body)
+        seed = body.get("seed")
+        if seed is not None and not _is_int(seed):
+            raise ApiError(400, f"seed must be an integer, got {seed!r}", "seed")
+        ignore_eos = body.get("ignore_eos", False)  # vLLM's extension, for benchmarks
+        if not isinstance(ignore_eos, bool):
+            raise ApiError(
+                400, f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos"
+            )
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def on_event(token: int | None, reason: str | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens
+                loop.call_soon_threadsafe(events.put_nowait, (token, reason))
+
+        try:
+            gen = engine.submit(
+                prompt, max_tokens, sampling, seed=seed, ignore_eos=ignore_eos, on_event=on_event
+            )
+        except QueueFull as err:
+            rejected["queue_full"] += 1
+            raise ApiError(429, f"the server is busy: {err}; retry later") from err
+        except EngineStopped as err:
+            rejected["shutting_down"] += 1
+            raise ApiError(503, str(err), code="service_unavailable") from err
+        except ValueError as err:
+            raise ApiError(400, str(err)) from err
+        return gen, events
+
+    async def pieces(
+        gen: Generation, events: asyncio.Queue, stops: list[str], request: Request | None
+    ) -> AsyncIterator[tuple[str, str | None]]:
+        """``(text, None)`` as it comes, then ``("", finish_reason)``; cancels ``gen`` if the
+        consumer stops early (a client gone) or a stop string ends it."""
+        text = TextStream(llm.tokenizer, stops, None if gen.ignore_eos else llm.eos_id)
+        done, loop = False, asyncio.get_running_loop()
+        checked = loop.time()
+        try:
+            while True:
+                try:
+                    token, reason = await asyncio.wait_for(events.get(), 1.0)
+                except TimeoutError:
+                    token = reason = None
+                # A request answered at the end has no stream to fail on: ask, once a second,
+                # whether its client is still there.
+                if request is not None and loop.time() - checked >= 1.0:
+                    checked = loop.time()
+                    if await request.is_disconnected():
+                        return
+                if token is None and reason is None:
+                    continue
+                if token is not None:
+                    piece, stopped = text.push(token)
+                    if piece:
+                        yield piece, None
+                    if stopped:
+                        done = True
+                        yield "", "stop"
+                        return
+                    continue
+                done = True
+                if reason == "error":
+                    raise ApiError(500, "the generation failed on the server")
+                tail = text.flush()
+                if tail:
+                    yield tail, None
+                yield "", reason
+                return
+        finally:
+            if not done or not gen.finish_reason:
+                engine.cancel(gen)
+
+    def usage(gen: Generation) -> dict[str, int]:
+        n = len(gen.generated)
+        return {
+            "prompt_tokens": gen.prompt_len,
+            "completion_tokens": n,
+            "total_tokens": gen.prompt_len + n,
+        }
+
+    async def respond(
+        request: Request,
+        body: dict[str, Any],
+        prompt: list[int],
+        chat: bool,
+        default_max: int | None,
+    ) -> Any:
+        stops = _stops(body)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
+        options = body.get("stream_options") or {}
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        gen, events = start(prompt, body, default_max)
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        head = {"id": ident, "created": int(time.time()), "model": model_name}
+        if not stream:
+            parts, reason = [], None
+            async for piece, finish in pieces(gen, events, stops, request):
+                parts.append(piece)
+                reason = finish or reason
+            text = "".join(parts)
+            if chat:
+                choice = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": reason,
+                }
+            else:
+                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            kind = "chat.completion" if chat else "text_completion"
+            return {**head, "object": kind, "choices": [choice], "usage": usage(gen)}
+
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(piece: str, reason: str | None, first: bool = False) -> str:
+            if chat:
+                delta = (
+                    {"role": "assistant", "content": piece}
+                    if first
+                    else ({"content": piece} if piece or reason is None else {})
+                )
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+            return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice]})}\n\n"
+
+        async def events_out() -> AsyncIterator[str]:
+            if chat:
+                yield chunk("", None, first=True)
+            try:
+                async for piece, reason in pieces(gen, events, stops, None):
+                    yield chunk(piece, reason)
+            except ApiError as err:
+                yield f"data: {json.dumps(err.body())}\n\n"
+                return
+            if include_usage:
+                last = {**head, "object": kind, "choices": [], "usage": usage(gen)}
+                yield f"data: {json.dumps(last)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events_out(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        body = await body_of(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(
+                400, "messages must be a non-empty list of {role, content} objects", "messages"
+            )
+        clean = []
+        for k, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):  # content parts: only text is understood
+                if not all(
+                    isinstance(p, dict)
+                    and p.get("type") == "text"
+                    and isinstance(p.get("text"), str)
+                    for p in content
+                ):
+                    raise ApiError(
+                        400, f"messages[{k}].content: only text parts are supported", "messages"
+                    )
+                content = "".join(p["text"] for p in content)
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(content, str)
+            ):
+                raise ApiError(
+                    400,
+                    f"messages[{k}] must be an object with a string role and content",
+                    "messages",
+                )
+            clean.append({"role": m["role"], "content": content})
+        prompt = llm.encode(llm.chat_prompt(clean))
+        return await respond(request, body, prompt, chat=True, default_max=None)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await body_of(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            ids = llm.encode(prompt)
+        elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ApiError(
+                400,
+                "prompt must be a string or a list of token ids (one prompt per request)",
+                "prompt",
+            )
+        if not ids:
+            raise ApiError(400, "the prompt is empty: give at least one token of text", "prompt")
+        return await respond(request, body, ids, chat=False, default_max=16)  # OpenAI's default
+
+    return app
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(
+    body: Mapping[str, Any], name: str, default: float, low: float, high: float, open_low: bool
+) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value > high or value < low or (open_low and value == low):
+        side = "(" if open_low else "["
+        raise ApiError(400, f"{name} must be a number in {side}{low}, {high}], got {value!r}", name)
+    return float(value)
+
+
+def _sampling(body: Mapping[str, Any]) -> Sampling:
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0, open_low=False)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, open_low=True)
+    return Sampling(temperature, None, top_p if top_p < 1 else None)
+
+
+def _stops(body: Mapping[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if (
+        not isinstance(stops, list)
+        or len(stops) > 4
+        or not all(isinstance(s, str) and s for s in stops)
+    ):
+        raise ApiError(
+            400, f"stop must be a non-empty string or a list of up to 4, got {stop!r}", "stop"
+        )
+    return stops
+
+
+def metrics_text(engine: Engine, rejected: Mapping[str, int]) -> str:
+    """The engine's counters and gauges in Prometheus' text exposition format."""
+    c, g = engine.counters, engine.gauges
+    rows = [
+        ("requests_total", "counter", "requests accepted", c["requests"]),
+        (
+            "prompt_tokens_total",
+            "counter",
+            "prompt tokens of accepted requests",
+            c["prompt_tokens"],
+        ),
+        ("generation_tokens_total", "counter", "tokens generated", c["generated_tokens"]),
+        (
+            "prefill_tokens_total",
+            "counter",
+            "prompt tokens computed (prefix-cache hits excluded)",
+            c["prefill_tokens"],
+        ),
+        (
+            "prefix_cache_hit_tokens_total",
+            "counter",
+            "prompt tokens taken from the prefix cache",
+            g["prefix_hit_tokens"],
+        ),
+        ("prefix_cache_evictions_total", "counter", "cached blocks evicted", g["prefix_evictions"]),
+        ("preemptions_total", "counter", "sequences preempted for KV blocks", c["preemptions"]),
+        (
+            "cancelled_total",
+            "counter",
+            "sequences cancelled (client gone, shutdown)",
+            c["cancelled"],
+        ),
+        ("engine_errors_total", "counter", "engine steps that failed", c["errors"]),
+        ("queue_length", "gauge", "requests waiting", g["waiting"]),
+        ("running_sequences", "gauge", "sequences in the running batch", g["running"]),
+        ("kv_blocks_total", "gauge", "KV blocks in the pool", engine.pool.num_blocks),
+        ("kv_blocks_used", "gauge", "KV blocks held by sequences", g["blocks_used"]),
+        ("kv_blocks_free", "gauge", "KV blocks on the free list", g["blocks_free"]),
+        (
+            "kv_blocks_cached",
+            "gauge",
+            "KV blocks held only by the prefix cache",
+            g["blocks_cached"],
+        ),
+    ]
+    lines = []
+    for name, kind, text, value in rows:
+        lines += [
+            f"# HELP attnkit_{name} {text}",
+            f"# TYPE attnkit_{name} {kind}",
+            f"attnkit_{name} {value}",
+        ]
+    lines += [
+        "# HELP attnkit_requests_rejected_total requests refused",
+        "# TYPE attnkit_requests_rejected_total counter",
+    ]
+    lines += [f'attnkit_requests_rejected_total{{reason="{k}"}} {v}' for k, v in rejected.items()]
+    return "\n".join(lines) + "\n"

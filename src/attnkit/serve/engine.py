@@ -1,0 +1,442 @@
+"""The scheduler: continuous batching over a paged KV cache, in one thread that owns the model.
+
+A static batch waits for its slowest row; a server cannot. So every *step* re-forms the batch
+(Yu et al. 2022, "Orca", section 3.2, iteration-level scheduling):
+
+1. cancelled sequences are retired and their blocks returned;
+2. waiting requests join while there is room (``max_batch`` sequences, and free KV blocks for
+   the prompt), their first full blocks taken from the prefix cache when known;
+3. every decoding sequence brings its one new token; prompts still being prefilled share the
+   rest of the step's token budget (``chunk_tokens``) in chunks, so a 2,000-token prompt is
+   split over several steps and the running streams keep getting a token every step (the
+   chunked prefill of Agrawal et al. 2024, "Sarathi-Serve");
+4. one ``paged_forward`` over all of them; each sequence whose last known token was in the step
+   gets its next token, and finished ones leave at once.
+
+A sequence is one list of tokens (prompt, then generated) and ``computed``, how many of them
+have their keys in the pool: prefill and decoding are the same operation, "compute the keys of
+the tokens not yet computed and sample after the last one". When a sequence needs a block and
+none is free, the most recently admitted sequence is *preempted*: its blocks are returned and it
+waits at the front of the queue to be recomputed (its full blocks usually come back from the
+prefix cache).
+
+Threads: ``submit`` and ``cancel`` may be called from any thread; ``on_event`` callbacks run on
+the engine's thread and must be quick (the server hands them to its event loop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from attnkit.models.llama import LlamaModel
+from attnkit.models.llama_generate import Sampling
+from attnkit.serve.forward import PagedBatch, paged_forward
+from attnkit.serve.paged import BlockPool, PoolExhausted
+from attnkit.serve.prefix import PrefixCache, block_hashes
+
+__all__ = ["Engine", "EngineStopped", "Generation", "QueueFull"]
+
+log = logging.getLogger("attnkit.serve")
+
+# on_event(token, finish_reason): a new token (finish None), then once (None, reason) where
+# reason is "stop" (end of sequence), "length", "cancelled" or "error".
+EventFn = Callable[[int | None, str | None], object]
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue holds ``max_waiting`` requests already (the server answers 429)."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down and accepts nothing new (the server answers 503)."""
+
+
+@dataclass(eq=False)
+class Generation:
+    """One request as the engine runs it. ``tokens`` is the prompt then the generated tokens."""
+
+    prompt_len: int
+    max_tokens: int
+    sampling: Sampling
+    tokens: list[int]
+    on_event: EventFn
+    generator: torch.Generator | None = None
+    ignore_eos: bool = False  # run to max_tokens (benchmarks: every request the same length)
+    computed: int = 0  # tokens whose keys are in the pool
+    table: list[int] = field(default_factory=list)  # block table
+    hashes: list[bytes] = field(default_factory=list)  # of the full blocks, published
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (last admission)
+    finish_reason: str | None = None
+    cancelled: bool = False
+    _events: queue.SimpleQueue | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    def result(self, timeout: float | None = None) -> tuple[list[int], str]:
+        """Wait for the end (only without ``on_event``): the generated tokens and the reason."""
+        if self._events is None:
+            raise ValueError("result() needs a Generation submitted without on_event")
+        while True:
+            _, reason = self._events.get(timeout=timeout)
+            if reason is not None:
+                return self.generated, reason
+
+
+class Engine:
+    """Continuous batching for a ``LlamaModel`` (see the module doc).
+
+    Args:
+        model: the decoder (its modules are called; quantised projections work too).
+        num_blocks, block_size: the KV pool, ``num_blocks * block_size`` positions in all.
+        max_batch: sequences that run at once.
+        max_waiting: requests that may wait; ``submit`` raises ``QueueFull`` beyond it.
+        chunk_tokens: tokens per step (decoding tokens first, prompt chunks share the rest).
+        prefix_caching: share full blocks of equal prefixes between requests.
+        eos_id: the end-of-sequence token (``None``: only ``max_tokens`` ends a sequence).
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        num_blocks: int = 512,
+        block_size: int = 16,
+        max_batch: int = 16,
+        max_waiting: int = 64,
+        chunk_tokens: int = 256,
+        prefix_caching: bool = True,
+        eos_id: int | None = None,
+    ) -> None:
+        for name, value in (("max_batch", max_batch), ("chunk_tokens", chunk_tokens)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(max_waiting, int) or max_waiting < 0:
+            raise ValueError(f"max_waiting must be an int >= 0, got {max_waiting!r}")
+        if chunk_tokens < max_batch:
+            raise ValueError(
+                f"chunk_tokens ({chunk_tokens}) must be at least max_batch ({max_batch}): every "
+                "running sequence decodes one token per step"
+            )
+        c = model.config
+        self.model = model.eval()
+        weight = next(model.parameters())
+        self.pool = BlockPool(
+            num_blocks,
+            block_size,
+            num_layers=c.num_layers,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            dtype=weight.dtype if weight.is_floating_point() else torch.float32,
+            device=weight.device,
+        )
+        self.cache = PrefixCache(self.pool, enabled=prefix_caching)
+        self.max_len = c.max_len
+        self.max_batch, self.max_waiting, self.chunk_tokens = max_batch, max_waiting, chunk_tokens
+        self.eos_id = eos_id
+        self.waiting: deque[Generation] = deque()
+        self.running: list[Generation] = []
+        self.counters = dict.fromkeys(
+            ("requests", "prompt_tokens", "generated_tokens", "prefill_tokens", "steps"), 0
+        )
+        self.counters.update(preemptions=0, cancelled=0, errors=0)
+        self._cond = threading.Condition()
+        self._accepting = True
+        self._abort = False
+        self._thread: threading.Thread | None = None
+        self._snapshot()
+
+    # --- the callers' side (any thread) --------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        sampling: Sampling | None = None,
+        *,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        on_event: EventFn | None = None,
+    ) -> Generation:
+        """Queue a request. Raises ``ValueError`` for a request that can never run (an empty
+        or too long prompt, ``max_tokens`` < 1 or past the context), ``QueueFull`` or
+        ``EngineStopped`` for one the server cannot take now."""
+        prompt = list(prompt)
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise ValueError(f"the prompt has token ids outside 0..{vocab - 1}")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if len(prompt) + max_tokens > self.max_len:
+            raise ValueError(
+                f"the prompt ({len(prompt)} tokens) and max_tokens ({max_tokens}) exceed the "
+                f"model's context of {self.max_len} tokens"
+            )
+        capacity = self.pool.num_blocks * self.pool.block_size
+        if len(prompt) + 1 > capacity:
+            raise ValueError(
+                f"the prompt ({len(prompt)} tokens) does not fit the server's KV cache of "
+                f"{capacity} positions (--kv-blocks)"
+            )
+        events: queue.SimpleQueue | None = None
+        if on_event is None:
+            events = queue.SimpleQueue()
+            on_event = lambda token, reason: events.put((token, reason))  # noqa: E731
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.pool.keys[0].device).manual_seed(seed)
+        gen = Generation(
+            prompt_len=len(prompt),
+            max_tokens=max_tokens,
+            sampling=sampling or Sampling(),
+            tokens=prompt,
+            on_event=on_event,
+            generator=generator,
+            ignore_eos=ignore_eos,
+            _events=events,
+        )
+        with self._cond:
+            if not self._accepting:
+                raise EngineStopped("the server is shutting down")
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting already")
+            self.waiting.append(gen)
+            self.counters["requests"] += 1
+            self.counters["prompt_tokens"] += len(prompt)
+            self._cond.notify()
+        return gen
+
+    def cancel(self, gen: Generation) -> None:
+        """Stop ``gen`` (a client went away): its blocks return at the next step."""
+        with self._cond:
+            gen.cancelled = True
+            self._cond.notify()
+
+    def start(self) -> Engine:
+        """Run steps in a background thread until ``stop``."""
+        self._thread = threading.Thread(target=self._loop, name="attnkit-serve-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Accept nothing new, let what runs finish for up to ``timeout`` seconds, cancel the
+        rest, and end the thread."""
+        with self._cond:
+            self._accepting = False
+            self._cond.notify()
+        if self._thread is not None:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._busy(), timeout=timeout)
+                self._abort = True
+                for gen in [*self.waiting, *self.running]:
+                    gen.cancelled = True
+                self._cond.notify()
+            self._thread.join()
+            self._thread = None
+        else:
+            self._abort = True
+            for gen in [*self.waiting, *self.running]:
+                gen.cancelled = True
+            self.step()
+
+    def run_until_idle(self) -> None:
+        """Run steps in the calling thread until nothing waits or runs (without ``start``)."""
+        while self._busy():
+            self.step()
+
+    # --- the engine's side ----------------------------------------------------------------------
+
+    def _busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._busy() or self._abort)
+                if self._abort and not self._busy():
+                    return
+            try:
+                self.step()
+            except Exception:  # a bug must not leave the clients hanging: fail the batch
+                log.exception("an engine step failed; its sequences end with an error")
+                self.counters["errors"] += 1
+                with self._cond:  # the waiting too: one of them may be what fails every step
+                    for gen in [*self.running, *self.waiting]:
+                        self._finish(gen, "error")
+                    self.waiting.clear()
+            with self._cond:
+                self._cond.notify_all()  # stop() waits for the engine to be idle
+
+    @property
+    def accepting(self) -> bool:
+        """False once ``stop`` began: ``submit`` raises ``EngineStopped``."""
+        return self._accepting
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def step(self) -> None:
+        """One iteration: retire, admit, compute one batch, sample, retire finished ones."""
+        try:
+            self._step()
+        finally:
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Gauges for other threads (``/metrics``), replaced whole after every step."""
+        free, cached = self.pool.num_free, self.cache.num_evictable
+        self.gauges = {
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "blocks_free": free,
+            "blocks_cached": cached,
+            "blocks_used": self.pool.num_blocks - free - cached,
+            "prefix_hit_tokens": self.cache.hit_tokens,
+            "prefix_evictions": self.cache.evictions,
+        }
+
+    def _step(self) -> None:
+        with self._cond:
+            for gen in [g for g in self.waiting if g.cancelled]:
+                self.waiting.remove(gen)
+                self._finish(gen, "cancelled")
+        for gen in [g for g in self.running if g.cancelled]:
+            self._finish(gen, "cancelled")
+        self._admit()
+        plan = self._plan()
+        if not plan:
+            return
+        batch = PagedBatch.build(
+            [g.tokens[g.computed : g.computed + n] for g, n in plan],
+            [g.computed for g, _ in plan],
+            [g.table for g, _ in plan],
+            self.pool.block_size,
+            device=self.pool.keys[0].device,
+        )
+        with torch.inference_mode():
+            logits = paged_forward(self.model, batch, self.pool)  # (b, V)
+        self.counters["steps"] += 1
+        for row, (gen, n) in enumerate(plan):
+            if gen.computed < gen.prompt_len:
+                self.counters["prefill_tokens"] += min(n, gen.prompt_len - gen.computed)
+            gen.computed += n
+            self._publish(gen)
+            if gen.computed == len(gen.tokens):
+                token = int(gen.sampling.next_token(logits[row : row + 1], gen.generator)[0])
+                gen.tokens.append(token)
+                self.counters["generated_tokens"] += 1
+                gen.on_event(token, None)
+                reason = self._finished(gen)
+                if reason is not None:
+                    self._finish(gen, reason)
+
+    def _finished(self, gen: Generation) -> str | None:
+        if self.eos_id is not None and gen.tokens[-1] == self.eos_id and not gen.ignore_eos:
+            return "stop"
+        if len(gen.generated) >= gen.max_tokens or len(gen.tokens) >= self.max_len:
+            return "length"
+        return None
+
+    def _admit(self) -> None:
+        with self._cond:
+            while self.waiting and len(self.running) < self.max_batch:
+                gen = self.waiting[0]
+                s = self.pool.block_size
+                blocks = -(-len(gen.tokens) // s)
+                if blocks > self.pool.num_blocks:  # preempted after outgrowing the whole pool
+                    self.waiting.popleft()
+                    self._finish(gen, "length")
+                    continue
+                full = (len(gen.tokens) - 1) // s  # keep one token to compute: its logits
+                hashes = block_hashes(gen.tokens[: full * s], s)
+                matched = self.cache.match(hashes)
+                need = blocks - len(matched)
+                if need > self.pool.num_free + self.cache.num_evictable:
+                    for block in matched:
+                        self.pool.release(block)
+                    self.cache.hit_tokens -= len(matched) * s
+                    return  # the first in line waits for blocks (no overtaking)
+                self.waiting.popleft()
+                gen.table, gen.hashes = matched, hashes[: len(matched)]
+                gen.computed = gen.cached_tokens = len(matched) * s
+                self.running.append(gen)
+
+    def _plan(self) -> list[tuple[Generation, int]]:
+        """Which sequences compute how many tokens this step, with the blocks they need."""
+        budget = self.chunk_tokens
+        plan: list[tuple[Generation, int]] = []
+        decoding = [g for g in self.running if len(g.tokens) - g.computed == 1]
+        prefilling = [g for g in self.running if len(g.tokens) - g.computed > 1]
+        for gen in decoding + prefilling:
+            if gen not in self.running:  # preempted to make room for an earlier one
+                continue
+            n = min(len(gen.tokens) - gen.computed, budget)
+            if n <= 0:
+                break
+            if self._grow(gen, gen.computed + n):
+                plan.append((gen, n))
+                budget -= n
+        return [(g, n) for g, n in plan if g in self.running]
+
+    def _grow(self, gen: Generation, length: int) -> bool:
+        """Give ``gen`` blocks for ``length`` positions, preempting the most recently admitted
+        sequences if needed. False if ``gen`` itself was preempted."""
+        while len(gen.table) * self.pool.block_size < length:
+            try:
+                gen.table.append(self.cache.allocate())
+            except PoolExhausted:
+                if self.running == [gen]:  # alone, and the whole pool is not enough: it ends
+                    self._finish(gen, "length")
+                    return False
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is gen:
+                    return False
+        return True
+
+    def _preempt(self, gen: Generation) -> None:
+        self.counters["preemptions"] += 1
+        self.running.remove(gen)
+        self._release(gen)
+        gen.computed = 0
+        with self._cond:
+            self.waiting.appendleft(gen)
+
+    def _publish(self, gen: Generation) -> None:
+        """Name every newly filled block by its hash, so later requests can share it."""
+        s = self.pool.block_size
+        done = len(gen.hashes)
+        full = gen.computed // s
+        if full > done:
+            parent = gen.hashes[-1] if gen.hashes else b""
+            new = block_hashes(gen.tokens[done * s : full * s], s, parent)
+            for k, h in enumerate(new, done):
+                self.cache.publish(h, gen.table[k])
+            gen.hashes.extend(new)
+
+    def _release(self, gen: Generation) -> None:
+        for block in gen.table:
+            self.pool.release(block)
+        gen.table, gen.hashes = [], []
+
+    def _finish(self, gen: Generation, reason: str) -> None:
+        if gen in self.running:
+            self.running.remove(gen)
+        self._release(gen)
+        if reason == "cancelled":
+            self.counters["cancelled"] += 1
+        gen.finish_reason = reason
+        with contextlib.suppress(Exception):  # a callback's failure is its owner's business
+            gen.on_event(None, reason)

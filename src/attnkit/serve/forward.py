@@ -1,0 +1,136 @@
+"""The Llama forward pass over a paged KV cache, for a batch of sequences of different lengths.
+
+Shape vocabulary: ``b`` sequences, ``t`` new tokens of all sequences packed one after the other,
+``e`` embed_dim, ``h`` query heads, ``h_kv`` key/value heads, ``d`` head width, ``V``
+vocabulary.
+
+``LlamaModel.forward`` pads a batch to a rectangle and keeps one ``KVCache`` tensor per layer.
+A server's batch is ragged instead: one sequence brings a chunk of 200 prompt tokens, fifteen
+others one token each. So the new tokens are packed into one ``(t, e)`` matrix: every
+projection and feed-forward is one matmul over all of them (they act position by position), and
+only attention needs to know which token belongs to which sequence (``paged_attention``, through
+the block tables). The model's own modules run here, called as modules (``layer(x)``), so a
+model whose projections are quantised runs unchanged::
+
+    x = embed(ids)                                    (t, e)
+    per block:  q, k, v = in_proj(attn_norm(x))       RoPE at each token's own position
+                pool[slots] = k, v                    the new keys join the cache first
+                x = x + out_proj(attention(q, pool))  causal, per sequence
+                x = x + ffn(ffn_norm(x))
+    logits = output(norm(x[last token of each sequence]))
+
+``ATTENTION`` is the seam where a fused paged-attention kernel plugs in: any function with
+``paged_attention``'s signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnkit._numerics import compute_dtype
+from attnkit.models.llama import LlamaModel
+from attnkit.positional import RotaryEmbedding
+from attnkit.serve.paged import BlockPool, paged_attention, write_kv
+
+__all__ = ["ATTENTION", "PagedBatch", "paged_forward"]
+
+ATTENTION: Callable[..., Tensor] = paged_attention
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """One step's new tokens, packed: sequence ``n`` owns ``query_lengths[n]`` consecutive rows.
+
+    ``ids``, ``positions`` (each token's position in its sequence) and ``slots`` (where its keys
+    go in the pool, ``block * s + offset``) are ``(t,)``; ``block_tables`` ``(b, m)`` and
+    ``lengths`` ``(b,)`` (keys after this step) as ``paged_attention`` takes them.
+    """
+
+    ids: Tensor
+    positions: Tensor
+    slots: Tensor
+    block_tables: Tensor
+    lengths: Tensor
+    query_lengths: Sequence[int]
+
+    @classmethod
+    def build(
+        cls,
+        tokens: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str | None = None,
+    ) -> PagedBatch:
+        """From each sequence's new ``tokens``, the position of its first (``starts``: keys
+        already cached) and its block table (long enough for the new tokens)."""
+        ids, positions, slots = [], [], []
+        for new, start, table in zip(tokens, starts, tables, strict=True):
+            for p, token in enumerate(new, start):
+                ids.append(token)
+                positions.append(p)
+                slots.append(table[p // block_size] * block_size + p % block_size)
+        m = max(len(table) for table in tables)
+        padded = [list(table) + [0] * (m - len(table)) for table in tables]  # 0: masked anyway
+
+        def long(x: object) -> Tensor:
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        return cls(
+            ids=long(ids),
+            positions=long(positions),
+            slots=long(slots),
+            block_tables=long(padded),
+            lengths=long([s + len(n) for s, n in zip(starts, tokens, strict=True)]),
+            query_lengths=[len(n) for n in tokens],
+        )
+
+
+def paged_forward(
+    model: LlamaModel,
+    batch: PagedBatch,
+    pool: BlockPool,
+    *,
+    all_logits: bool = False,
+    attention: Callable[..., Tensor] | None = None,
+) -> Tensor:
+    """Logits ``(b, V)`` of each sequence's last new token (``(t, V)`` of every token with
+    ``all_logits``); the new keys and values are written into ``pool`` on the way."""
+    attend = ATTENTION if attention is None else attention
+    c = model.config
+    t = batch.ids.shape[0]
+    e, h, h_kv, d = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
+    x = model.embed(batch.ids)  # (t, e)
+    # The angles of every token's own position, cast once as LlamaModel.angles does.
+    dtype = compute_dtype(x.dtype)
+    cos, sin = model.rope.cos_sin_at(batch.positions, device=x.device)  # (t, d)
+    cos, sin = cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # (t, 1, d): every head
+    for layer, block in enumerate(model.blocks):
+        attn = block.attn
+        assert attn.in_proj is not None  # self-attention: the fused [q; k; v] projection
+        q, k, v = attn.in_proj(block.attn_norm(x)).split([e, h_kv * d, h_kv * d], dim=-1)
+        q = RotaryEmbedding.apply(q.view(t, h, d), cos, sin)  # (t, h, d)
+        k = RotaryEmbedding.apply(k.view(t, h_kv, d), cos, sin)  # (t, h_kv, d)
+        write_kv(pool.keys[layer], pool.values[layer], batch.slots, k, v.view(t, h_kv, d))
+        out = attend(
+            q,
+            pool.keys[layer],
+            pool.values[layer],
+            batch.block_tables,
+            batch.lengths,
+            batch.query_lengths,
+        )  # (t, h, d)
+        x = x + attn.out_proj(out.reshape(t, e))  # (t, e)
+        x = x + block.ffn(block.ffn_norm(x))
+    if not all_logits:
+        last = torch.tensor(batch.query_lengths, device=x.device).cumsum(0) - 1  # (b,)
+        x = x.index_select(0, last)  # (b, e)
+    x = model.norm(x)
+    if model.lm_head is not None:
+        return model.lm_head(x)  # (b, V)
+    return F.linear(x, model.embed.weight)  # (b, V): tied to the token embedding

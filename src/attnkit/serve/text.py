@@ -1,0 +1,70 @@
+"""Tokens to text one at a time, for a stream: hold back what is not certain yet.
+
+Two things make the text of a token uncertain when it arrives: it may end in the middle of a
+UTF-8 character (the byte-level tokenizer decodes the fragment as U+FFFD), and it may be the
+start of a ``stop`` string, which must not be sent if the string completes. ``TextStream`` is
+the push form of ``attnkit.models.llama``'s generator over a token iterator (the server receives
+tokens as events, it does not pull them), with the same rule: decode everything so far, send
+what is new and certain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["TextStream"]
+
+
+class TextStream:
+    """``push(token) -> (text, stopped)``; ``flush()`` gives what was held back at the end.
+
+    ``stopped`` is True when a stop string appeared (it and what follows are never sent) or the
+    end-of-sequence token came; push nothing after that.
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str] = (), eos_id: int | None = None):
+        self.tokenizer = tokenizer
+        self.stops = tuple(stops)
+        self.eos_id = eos_id
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text already given out
+        self.stopped = False
+        self.stop_string = False  # stopped by a stop string (not the end-of-sequence token)
+
+    def push(self, token: int) -> tuple[str, bool]:
+        if self.stopped:
+            raise ValueError("the stream has stopped: push nothing after a stop")
+        if token == self.eos_id:
+            self.stopped = True
+            return self.flush(), True
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        found = [
+            k for k in (text.find(s, max(0, self.sent - len(s))) for s in self.stops) if k >= 0
+        ]
+        if found:
+            self.stopped = self.stop_string = True
+            end = min(found)
+            piece = text[self.sent : end] if end > self.sent else ""
+            self.sent = max(self.sent, end)
+            return piece, True
+        safe = len(text.rstrip("\ufffd"))
+        for s in self.stops:  # a tail that could begin a stop string waits
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    safe = min(safe, len(text) - k)
+                    break
+        if safe <= self.sent:
+            return "", False
+        piece, self.sent = text[self.sent : safe], safe
+        return piece, False
+
+    def flush(self) -> str:
+        """The held-back tail (an unfinished character or a stop string's beginning that never
+        completed), once the generation has ended without a stop string."""
+        if self.stop_string:
+            return ""
+        text = self.tokenizer.decode(self.ids)
+        piece, self.sent = text[self.sent :], max(self.sent, len(text))
+        return piece

@@ -1,0 +1,49 @@
+"""benchmarks/serve.py: percentiles interpolate, the report gives each row's speed-up over one
+client and the prefix cache's ratio, and says when llama.cpp was not measured."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("requests")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve.py"
+spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
+bench = importlib.util.module_from_spec(spec)
+sys.modules["bench_serve"] = bench
+spec.loader.exec_module(bench)
+
+
+def test_percentiles_interpolate_between_ranks() -> None:
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert bench.percentile(xs, 50) == 2.5
+    assert bench.percentile(xs, 0) == 1.0 and bench.percentile(xs, 100) == 4.0
+    assert bench.percentile([7.0], 99) == 7.0
+
+
+def test_the_report_gives_speed_ups_and_the_prefix_cache_ratio() -> None:
+    def row(clients, tps):
+        return dict(
+            clients=clients,
+            tokens_per_s=tps,
+            ttft_p50=0.1,
+            ttft_p99=0.2,
+            itl_p50=0.01,
+            itl_p99=0.02,
+        )
+
+    out = {
+        "attnkit": [row(1, 10.0), row(8, 35.0)],
+        "llama.cpp": [],
+        "prefix": {"cached": 0.05, "uncached": 0.5},
+    }
+    args = argparse.Namespace(new=128, prompt=64, threads=2, system=1000, rounds=5)
+    text = bench.report(out, args)
+    assert "| attnkit | 8 | 35.0 | 3.50x | 100 | 200 | 10.0 | 20.0 |" in text
+    assert "50 ms cached, 500 ms uncached (10.0x)" in text
+    assert "llama.cpp's server was not measured" in text

@@ -1,0 +1,108 @@
+"""`attnkit serve`: 127.0.0.1 unless told otherwise, bad numbers are one line and exit 2 before
+the model loads, and SIGTERM lets the running stream finish, then exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from attnkit.cli import build_parser, main
+from attnkit.commands import serve
+
+requests = pytest.importorskip("requests")
+pytest.importorskip("uvicorn")
+
+from serve_oracles import free_port  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_the_default_address_is_localhost() -> None:
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, None)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "70000"], "--port"),
+        (["--kv-blocks", "0"], "--kv-blocks"),
+        (["--max-batch", "32", "--chunk-tokens", "16"], "--chunk-tokens"),
+        (["--max-waiting", "-1"], "--max-waiting"),
+        (["--model", "no/such/model.gguf"], "does not exist"),
+    ],
+)
+def test_bad_arguments_are_one_line_before_the_model_loads(capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(serve, "load_model", lambda path: pytest.fail("the model loaded"))
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and err.startswith("attnkit serve: error")
+
+
+# The command, with the tiny model of the tests in place of SmolLM2 (load_model is the seam).
+_SERVE = """
+import sys
+sys.path.insert(0, {tests!r})
+import serve_oracles
+from attnkit.commands import serve
+serve.load_model = lambda path: serve_oracles.tiny_llm()
+from attnkit.cli import main
+sys.exit(main(["serve", "--port", "{port}", "--shutdown-timeout", "20", "--threads", "1"]))
+"""
+
+
+def test_sigterm_finishes_the_running_stream_and_exits_zero() -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    code = _SERVE.format(tests=str(TESTS), port=port)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if requests.get(url + "/health", timeout=1).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.1)
+        events: list[dict] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {
+                "prompt": "Count:",
+                "max_tokens": 200,
+                "stream_options": {"include_usage": True},
+                "temperature": 0,
+                "stream": True,
+            }
+            with requests.post(url + "/v1/completions", json=body, stream=True, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith(b"data: {"):
+                        events.append(json.loads(line[6:]))
+                        started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        reader.join(60)
+        assert proc.wait(60) == 0, proc.stderr.read().decode()
+        assert events[-2]["choices"][0]["finish_reason"] == "length"  # it ran to its end
+        assert events[-1]["usage"]["completion_tokens"] == 200
+        with pytest.raises(requests.ConnectionError):
+            requests.get(url + "/health", timeout=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

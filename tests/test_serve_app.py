@@ -1,0 +1,266 @@
+"""attnkit.serve.app, live: uvicorn on a free port of 127.0.0.1 and the real ``openai`` client.
+
+Chat and text completions streamed and not, 16 concurrent streams equal to the same requests
+one at a time, a prefix-cache hit counted in /metrics, OpenAI-style 400/429/503 errors (never a
+500 for a client's mistake), a client that disconnects mid-stream gets its blocks returned, and
+the pool is whole after the run."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+requests = pytest.importorskip("requests")
+
+from attnkit.serve.app import create_app  # noqa: E402
+from attnkit.serve.engine import Engine  # noqa: E402
+from serve_oracles import LiveServer, tiny_llm  # noqa: E402
+from serve_oracles import one_thread as one_thread  # noqa: E402
+
+NAME = "tiny-smol"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return tiny_llm(max_len=256)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    engine = Engine(llm.model, num_blocks=96, block_size=8, max_batch=16, eos_id=llm.eos_id)
+    with LiveServer(create_app(llm, engine, model_name=NAME)) as url:
+        yield url, engine
+    assert not engine.started  # the application's shutdown stopped the engine
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = requests.get(url + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def settle(url: str) -> dict[str, float]:
+    """/metrics once nothing runs or waits (the engine retires at its next step)."""
+    deadline = time.monotonic() + 20
+    while True:
+        m = metrics(url)
+        if m["attnkit_running_sequences"] == m["attnkit_queue_length"] == 0 or (
+            time.monotonic() > deadline
+        ):
+            return m
+        time.sleep(0.05)
+
+
+def test_models_health_and_metrics_answer(server) -> None:
+    url, _ = server
+    assert requests.get(url + "/health", timeout=10).json() == {"status": "ok"}
+    models = requests.get(url + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [NAME]
+    response = requests.get(url + "/metrics", timeout=10)
+    assert response.headers["content-type"].startswith("text/plain")
+    assert "# TYPE attnkit_kv_blocks_free gauge" in response.text
+
+
+def test_chat_streamed_and_not_gives_the_same_text_and_usage(client, llm) -> None:
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=12, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    prompt = llm.encode(llm.chat_prompt(messages))
+    assert whole.usage.prompt_tokens == len(prompt) == chunks[-1].usage.prompt_tokens
+    assert whole.usage.completion_tokens == 12 == chunks[-1].usage.completion_tokens
+    assert whole.choices[0].finish_reason == "length"
+
+
+def test_text_completions_follow_generate(client, llm) -> None:
+    ids = llm.encode("Once upon a time")
+    expected = llm.generate(ids, 8)
+    got = client.completions.create(
+        model=NAME, prompt="Once upon a time", max_tokens=8, temperature=0
+    )
+    assert got.choices[0].text == expected
+    streamed = client.completions.create(
+        model=NAME, prompt=ids, max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    stop = expected[3:6]
+    cut = client.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0, stop=stop)
+    assert cut.choices[0].text == expected[: expected.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_sixteen_concurrent_streams_equal_each_alone(server, client, llm) -> None:
+    prompts = [llm.encode("word " * (1 + 3 * n)) for n in range(16)]
+
+    def ask(ids):
+        stream = client.completions.create(
+            model=NAME, prompt=ids, max_tokens=6, temperature=0, stream=True
+        )
+        return "".join(c.choices[0].text for c in stream)
+
+    alone = [ask(ids) for ids in prompts]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(ask, prompts))
+    assert together == alone
+
+
+def test_a_cached_system_prompt_skips_its_prefill(server, client) -> None:
+    url, _ = server
+    system = {"role": "system", "content": "You answer in French. " * 12}
+    before = settle(url)
+    for question in ("Hello?", "Why?"):
+        client.chat.completions.create(
+            model=NAME, messages=[system, {"role": "user", "content": question}], max_tokens=2
+        )
+    after = settle(url)
+    hit = (
+        after["attnkit_prefix_cache_hit_tokens_total"]
+        - before["attnkit_prefix_cache_hit_tokens_total"]
+    )
+    assert hit >= 64  # the second request found the system prompt's full blocks
+    assert after["attnkit_prefill_tokens_total"] - before["attnkit_prefill_tokens_total"] == (
+        after["attnkit_prompt_tokens_total"] - before["attnkit_prompt_tokens_total"] - hit
+    )
+
+
+BAD = [
+    ({"model": "gpt-4o"}, "model"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 100_000}, "max_tokens"),
+    ({"max_tokens": "ten"}, "max_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"stop": [""]}, "stop"),
+    ({"n": 3}, "n"),
+    ({"messages": [{"role": "user", "content": "long " * 300}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("change", "param"), BAD, ids=[p for _, p in BAD])
+def test_bad_requests_are_400_with_an_openai_error(server, client, change, param) -> None:
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    body.update(change)
+    response = requests.post(server[0] + "/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**body)
+
+
+@pytest.mark.parametrize(
+    ("path", "data"),
+    [
+        ("/v1/completions", b"{not json"),
+        ("/v1/completions", b"[1, 2]"),
+        ("/v1/completions", json.dumps({"prompt": ""}).encode()),
+        ("/v1/completions", json.dumps({"prompt": [1.5]}).encode()),
+        ("/v1/completions", json.dumps({"prompt": [-3]}).encode()),
+        ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode()),
+    ],
+)
+def test_malformed_bodies_are_400_never_500(server, path, data) -> None:
+    response = requests.post(server[0] + path, data=data, timeout=10)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"]
+
+
+def test_a_client_that_disconnects_mid_stream_gets_its_blocks_returned(server) -> None:
+    url, _ = server
+    before = settle(url)
+    body = {"model": NAME, "prompt": "Tell me a long story.", "max_tokens": 200, "stream": True}
+    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=10) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line)
+        assert first.startswith(b"data: ")
+        assert metrics(url)["attnkit_kv_blocks_used"] > 0
+    after = settle(url)
+    assert after["attnkit_cancelled_total"] == before["attnkit_cancelled_total"] + 1
+    assert after["attnkit_kv_blocks_used"] == 0
+    assert (
+        after["attnkit_generation_tokens_total"] - before["attnkit_generation_tokens_total"] < 200
+    )
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_gets_it_cancelled(llm, monkeypatch) -> None:
+    import attnkit.serve.engine as engine_module
+
+    forward = engine_module.paged_forward
+
+    def slow(*args, **kwargs):  # 20 ms a step: the answer takes seconds, the client waits 0.5 s
+        time.sleep(0.02)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "paged_forward", slow)
+    engine = Engine(llm.model, num_blocks=32, block_size=8, eos_id=llm.eos_id)
+    body = {"model": NAME, "prompt": "Hi", "max_tokens": 200, "ignore_eos": True}
+    with LiveServer(create_app(llm, engine, model_name=NAME)) as url:
+        with pytest.raises(requests.ReadTimeout):
+            requests.post(url + "/v1/completions", json=body, timeout=0.5)
+        m = settle(url)
+        assert m["attnkit_cancelled_total"] == 1 and m["attnkit_kv_blocks_used"] == 0
+        assert m["attnkit_generation_tokens_total"] < 200
+
+
+def test_a_full_queue_is_429_and_shutting_down_is_503(llm) -> None:
+    engine = Engine(llm.model, num_blocks=16, block_size=8, max_waiting=0, eos_id=llm.eos_id)
+    body = {"model": NAME, "prompt": "Hi", "max_tokens": 2}
+    with LiveServer(create_app(llm, engine, model_name=NAME)) as url:
+        response = requests.post(url + "/v1/completions", json=body, timeout=10)
+        assert response.status_code == 429
+        assert response.json()["error"]["code"] == "rate_limit_exceeded"
+        engine.stop()
+        response = requests.post(url + "/v1/completions", json=body, timeout=10)
+        assert (
+            response.status_code == 503 and "shutting down" in response.json()["error"]["message"]
+        )
+        assert requests.get(url + "/health", timeout=10).status_code == 503
+        rejected = metrics(url)
+        assert rejected['attnkit_requests_rejected_total{reason="queue_full"}'] == 1
+        assert rejected['attnkit_requests_rejected_total{reason="shutting_down"}'] == 1
+
+
+def test_the_pool_is_whole_after_the_run(server) -> None:
+    url, engine = server
+    m = settle(url)
+    assert m["attnkit_kv_blocks_used"] == 0
+    assert (
+        m["attnkit_kv_blocks_free"] + m["attnkit_kv_blocks_cached"] == m["attnkit_kv_blocks_total"]
+    )
+    assert m["attnkit_engine_errors_total"] == 0
+    engine.cache.clear()  # the engine is idle: nothing else touches the cache now
+    engine.pool.check_whole()
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")

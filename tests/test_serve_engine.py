@@ -1,0 +1,202 @@
+"""attnkit.serve.engine: a request gets the same greedy tokens alone or batched with others (and
+with a prefix-cache hit, and after being preempted), a cached prefix skips prefill, cancelling
+returns the blocks, and the pool is whole after many requests."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from attnkit.models.llama_generate import Sampling
+from attnkit.serve.engine import Engine, EngineStopped, QueueFull
+from llama_oracles import bundled as bundled
+from serve_oracles import one_thread as one_thread
+from serve_oracles import tiny_model
+
+
+def prompts_of(lengths, seed=0, vocab=97):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def whole(engine: Engine) -> None:
+    assert not engine.running and not engine.waiting
+    engine.cache.clear()
+    engine.pool.check_whole()
+
+
+def alone(model, prompt, max_tokens, **kwargs):
+    engine = Engine(model, **kwargs)
+    gen = engine.submit(prompt, max_tokens)
+    engine.run_until_idle()
+    return gen.result(0)[0]
+
+
+LENGTHS = [1, 3, 5, 8, 9, 13, 17, 20, 24, 31, 33, 40, 47, 50, 63, 70]  # 16 requests
+
+
+def test_sixteen_concurrent_requests_give_the_tokens_each_gives_alone() -> None:
+    model = tiny_model()
+    prompts = prompts_of(LENGTHS)
+    budgets = [4 + n % 7 for n in range(16)]
+    expected = [alone(model, p, k, block_size=4) for p, k in zip(prompts, budgets, strict=True)]
+    # a small pool and budget: chunked prefill, evictions and preemptions all happen
+    engine = Engine(model, num_blocks=48, block_size=4, max_batch=16, chunk_tokens=24).start()
+    try:
+        gens = [engine.submit(p, k) for p, k in zip(prompts, budgets, strict=True)]
+        got = [g.result(60) for g in gens]
+    finally:
+        engine.stop()
+    assert [tokens for tokens, _ in got] == expected
+    assert all(reason == "length" for _, reason in got)
+    assert engine.counters["steps"] < sum(budgets)  # batched, not one request at a time
+    assert engine.counters["preemptions"] > 0
+    whole(engine)
+
+
+def test_a_prefix_hit_skips_the_cached_blocks_and_changes_no_token() -> None:
+    model = tiny_model()
+    system = prompts_of([37], seed=3)[0]
+    a, b = (system + tail for tail in prompts_of([5, 9], seed=4))
+    engine = Engine(model, num_blocks=64, block_size=8)
+    first = engine.submit(a, 6)
+    engine.run_until_idle()
+    assert engine.counters["prefill_tokens"] == len(a) and engine.cache.hit_tokens == 0
+    second = engine.submit(b, 6)
+    engine.run_until_idle()
+    cached = 32  # the four full blocks of the shared 37 tokens
+    assert second.cached_tokens == cached == engine.cache.hit_tokens
+    assert engine.counters["prefill_tokens"] == len(a) + len(b) - cached
+    assert first.result(0)[0] == alone(model, a, 6, block_size=8)
+    assert second.result(0)[0] == alone(model, b, 6, block_size=8, prefix_caching=False)
+    whole(engine)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode() -> None:
+    model = tiny_model()
+    short, long = prompts_of([3, 200], seed=5)
+    engine = Engine(model, num_blocks=64, block_size=8, chunk_tokens=32)
+    s = engine.submit(short, 12)
+    engine.step()  # the short prompt is prefilled and starts decoding
+    engine.submit(long, 2)
+    for _ in range(6):
+        before = len(s.generated)
+        engine.step()
+        assert len(s.generated) == before + 1  # a token every step, the long prompt beside it
+    engine.run_until_idle()
+    whole(engine)
+
+
+def test_cancelling_returns_every_block() -> None:
+    model = tiny_model()
+    engine = Engine(model, num_blocks=32, block_size=4, prefix_caching=False)
+    running = engine.submit(prompts_of([30])[0], 100)
+    waiting = [engine.submit(p, 5) for p in prompts_of([100, 100], seed=1)]  # no room yet
+    engine.step()
+    engine.step()
+    assert engine.pool.num_free < 32 and len(engine.waiting) == 2
+    for gen in [running, *waiting]:
+        engine.cancel(gen)
+    engine.step()
+    assert [g.result(0)[1] for g in (running, *waiting)] == ["cancelled"] * 3
+    assert engine.counters["cancelled"] == 3
+    whole(engine)
+
+
+def test_a_sequence_longer_than_the_whole_pool_ends_with_length() -> None:
+    engine = Engine(tiny_model(), num_blocks=4, block_size=4)  # 16 positions in all
+    gen = engine.submit(prompts_of([10])[0], 100)
+    engine.run_until_idle()
+    tokens, reason = gen.result(0)
+    assert reason == "length" and len(tokens) == 16 + 1 - 10  # keys for 16 positions, +1 sampled
+    whole(engine)
+
+
+def test_a_failing_step_ends_every_request_with_an_error(monkeypatch) -> None:
+    engine = Engine(tiny_model()).start()
+    monkeypatch.setattr(engine, "_plan", lambda: 1 / 0)
+    gens = [engine.submit([1, 2], 3) for _ in range(3)]
+    assert [g.result(30)[1] for g in gens] == ["error"] * 3
+    assert engine.counters["errors"] >= 1
+    engine.stop()
+    whole(engine)
+
+
+def test_the_pool_is_whole_after_a_thousand_requests() -> None:
+    model = tiny_model(embed_dim=12, num_heads=2, num_kv_heads=1, ffn_dim=8, num_layers=1)
+    rng = random.Random(7)
+    engine = Engine(
+        model, num_blocks=40, block_size=2, max_batch=8, chunk_tokens=16, eos_id=5, max_waiting=1000
+    )
+    gens = []
+    for n in range(1000):
+        prompt = prompts_of([rng.randint(1, 12)], seed=n % 50)[0]  # repeats: prefix hits
+        gens.append(engine.submit(prompt, rng.randint(1, 6)))
+        if rng.random() < 0.1:
+            engine.cancel(gens[-1])
+        if n % 8 == 7:
+            engine.step()
+    engine.run_until_idle()
+    assert all(g.finish_reason in ("stop", "length", "cancelled") for g in gens)
+    assert engine.cache.hit_tokens > 0
+    whole(engine)
+
+
+def test_sampling_with_a_seed_repeats_and_greedy_stops_at_the_end_token() -> None:
+    model = tiny_model()
+    prompt = prompts_of([6])[0]
+    sampled = [alone(model, prompt, 8) for _ in range(2)]  # greedy
+    engine = Engine(model)
+    a = engine.submit(prompt, 8, Sampling(1.0, None, 0.9), seed=3)
+    b = engine.submit(prompt, 8, Sampling(1.0, None, 0.9), seed=3)
+    engine.run_until_idle()
+    assert a.result(0)[0] == b.result(0)[0]
+    eos = sampled[0][2]
+    engine = Engine(model, eos_id=eos)
+    gen = engine.submit(prompt, 8)
+    engine.run_until_idle()
+    assert gen.result(0) == (sampled[0][: sampled[0].index(eos) + 1], "stop")
+
+
+def test_bad_requests_are_refused_before_they_queue() -> None:
+    engine = Engine(tiny_model(), num_blocks=4, block_size=4, max_waiting=1)
+    for args, match in [
+        (([], 4), "empty"),
+        (([1], 0), "max_tokens"),
+        (([1] * 500, 13), "context of 512"),
+        (([1] * 20, 4), "does not fit"),
+        (([97], 4), "outside"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            engine.submit(*args)
+    engine.submit([1], 2)
+    with pytest.raises(QueueFull):
+        engine.submit([1], 2)
+    engine.stop()
+    with pytest.raises(EngineStopped):
+        engine.submit([1], 2)
+    whole(engine)
+
+
+def test_stop_finishes_what_runs_then_ends_the_thread() -> None:
+    engine = Engine(tiny_model()).start()
+    gen = engine.submit([1, 2, 3], 5)
+    engine.stop(timeout=30)
+    assert gen.result(0)[1] == "length" and not engine.started
+    assert not any(t.name == "attnkit-serve-engine" for t in threading.enumerate())
+
+
+def test_batched_equals_alone_with_smollm2(bundled) -> None:
+    texts = ["The capital of France is", "1, 2, 3, 4,", "Hello"]
+    prompts = [bundled.encode(t) for t in texts]
+    expected = [bundled.generate_ids(p, 6)[0] for p in prompts]
+    engine = Engine(bundled.model, num_blocks=16, block_size=8, eos_id=bundled.eos_id)
+    gens = [engine.submit(p, 6, Sampling()) for p in prompts]
+    engine.run_until_idle()
+    assert [g.result(0)[0] for g in gens] == expected
+    whole(engine)
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
