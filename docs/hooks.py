@@ -17,6 +17,10 @@ docs/benchmarks.md holds every measured section in full (the scripts write there
 
 A script that rewrites its section drops a ``<!-- more -->`` line, so its summary falls back to
 the first table.
+
+The course (docs/learn/NN-*.md) is also offered as Jupyter notebooks: after the build, each
+chapter becomes ``learn/NN-*.ipynb`` in the site (jupytext, from the same Markdown: one code cell
+per ``python`` block), and each chapter page gets a download link to its notebook at the top.
 """
 
 from __future__ import annotations
@@ -114,8 +118,56 @@ def benchmarks_log(markdown: str, doc: Path = BENCHMARKS) -> str:
     return markdown.replace(ALL, "\n\n".join(sections))
 
 
-def on_page_markdown(markdown: str, page: Any = None, **kwargs: Any) -> str:
+LEARN = Path(__file__).resolve().parent / "learn"
+CHAPTER = re.compile(r"^learn/(\d\d-[\w-]+)\.md$")
+
+
+def chapters(learn: Path = LEARN) -> list[Path]:
+    """The course's chapters, in order (``NN-name.md``; not the index)."""
+    return sorted(p for p in learn.glob("[0-9][0-9]-*.md"))
+
+
+def chapter_notebook(path: Path) -> str:
+    """The chapter at ``path`` as notebook JSON (jupytext's Markdown format, "md")."""
+    try:
+        import jupytext
+    except ImportError as exc:
+        raise ImportError(
+            "the course's notebooks need jupytext: pip install 'attnkit[learn]'"
+        ) from exc
+    notebook = jupytext.read(path, fmt="md")
+    notebook.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    return jupytext.writes(notebook, fmt="ipynb")
+
+
+def download_link(markdown: str, stem: str, directory_urls: bool) -> str:
+    """The chapter's page with a download link to its notebook under the first heading."""
+    href = f"../{stem}.ipynb" if directory_urls else f"{stem}.ipynb"
+    link = (
+        f'<p class="notebook-link"><a href="{href}" download>Download this chapter as a '
+        "Jupyter notebook</a></p>"
+    )
+    head, _, rest = markdown.partition("\n")
+    return f"{head}\n\n{link}\n{rest}"
+
+
+def on_post_build(config: Any, **kwargs: Any) -> None:
+    site = Path(config["site_dir"]) / "learn"
+    site.mkdir(parents=True, exist_ok=True)
+    for path in chapters():
+        (site / f"{path.stem}.ipynb").write_text(chapter_notebook(path), encoding="utf-8")
+
+
+def on_page_markdown(markdown: str, page: Any = None, config: Any = None, **kwargs: Any) -> str:
     name = page.file.src_uri if page is not None else ""
+    chapter = CHAPTER.match(name)
+    if chapter:
+        directory_urls = True if config is None else bool(config.get("use_directory_urls", True))
+        return download_link(markdown, chapter.group(1), directory_urls)
     if name == "benchmarks.md":
         return summarize_benchmarks(markdown)
     if name == LOG_PAGE:

@@ -123,6 +123,7 @@ PACKAGE_LAYERS = {
     "train": "train",
     "distributed": "distributed",
     "serve": "serve",
+    "learn": "learn",
     "tasks": "tasks",
     "commands": "cli",
 }
@@ -135,6 +136,7 @@ RANK = {
     "train": 4,
     "distributed": 4,
     "serve": 4,
+    "learn": 5,
     "tasks": 5,
     "cli": 6,
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -91,6 +92,12 @@ def built_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_mkdocs_build_strict(built_site: Path) -> None:
     for page in ("index.html", "api/functional/index.html", "benchmarks/index.html"):
         assert (built_site / page).is_file(), page
+    # The course: every chapter is also a notebook, linked from its page.
+    for chapter in sorted((DOCS / "learn").glob("[0-9][0-9]-*.md")):
+        notebook = json.loads((built_site / "learn" / f"{chapter.stem}.ipynb").read_text("utf-8"))
+        assert notebook["nbformat"] == 4 and notebook["cells"], chapter.name
+        page = (built_site / "learn" / chapter.stem / "index.html").read_text("utf-8")
+        assert f'href="../{chapter.stem}.ipynb" download' in page, chapter.name
 
 
 _MEASURE = """() => {

@@ -41,6 +41,7 @@ DATA = (
     "attnkit/data/rotten_tomatoes_corpus_full.csv.bz2",
     "attnkit/data/NOTICE",
     "attnkit/data/LICENSE-APACHE-2.0",
+    "attnkit/data/co2_weekly.csv",
     "attnkit/viz/explorer.js",
     "attnkit/py.typed",
 )

@@ -7,19 +7,29 @@ from pathlib import Path
 
 import pytest
 
+from attnkit.tasks.forecast import evaluate_forecast
 from attnkit.tasks.iris import evaluate_iris
 from attnkit.tasks.registry import TASKS, evaluate_checkpoint, format_table
 from attnkit.tasks.text import evaluate_text
+from attnkit.tasks.translate import evaluate_translate
+from attnkit.tasks.vit import evaluate_vit
 from attnkit.train.checkpoint import FORMAT
 
 
 def test_every_task_has_its_evaluator() -> None:
-    assert dict(TASKS) == {"iris": evaluate_iris, "text": evaluate_text}
+    assert dict(TASKS) == {
+        "iris": evaluate_iris,
+        "text": evaluate_text,
+        "vit": evaluate_vit,
+        "translate": evaluate_translate,
+        "forecast": evaluate_forecast,
+    }
 
 
 def test_unknown_task_names_the_known_ones(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"format": FORMAT, "task": "poetry"}))
-    with pytest.raises(ValueError, match=r"unknown task 'poetry' \(iris or text\)"):
+    known = r"\(iris or text or vit or translate or forecast\)"
+    with pytest.raises(ValueError, match=rf"unknown task 'poetry' {known}"):
         evaluate_checkpoint(tmp_path)
     assert not (tmp_path / "evaluation.json").exists()
 

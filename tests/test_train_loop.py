@@ -272,3 +272,26 @@ def test_resume_names_what_is_missing_or_damaged(iris, tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"trainer_state\.safetensors' is damaged"):
         resume(run)
+
+
+def test_sequence_classification_ignores_padding_labels() -> None:
+    """Logits (b, c, t) against labels (b, t): -100 counts neither in the loss nor the accuracy."""
+    from attnkit.train.loop import classification
+
+    logits = torch.tensor([[[2.0, 0.0, 2.0], [0.0, 2.0, 0.0]]])  # (b=1, c=2, t=3)
+    labels = torch.tensor([[0, 0, -100]])  # position 2 is padding
+    loss, correct, counted = classification(logits, labels)
+    assert (correct, counted) == (1, 2)  # position 0 right, position 1 wrong
+    expected = (math.log(1 + math.exp(-2)) + math.log(1 + math.exp(2))) / 2
+    assert math.isclose(loss.item(), expected, rel_tol=1e-6)
+    _, flat_correct, flat_counted = classification(logits[:, :, 0], labels[:, 0])
+    assert (flat_correct, flat_counted) == (1, 1)  # (b, c) against (b,): as before
+
+
+def test_regression_is_mean_absolute_error_and_refuses_shape_mismatch() -> None:
+    from attnkit.train.loop import regression
+
+    loss, correct, counted = regression(torch.tensor([[1.0, 3.0]]), torch.tensor([[2.0, 1.0]]))
+    assert loss.item() == 1.5 and correct == 0 and counted == 2
+    with pytest.raises(ValueError, match=r"outputs \(1, 2\) and targets \(2,\) must have one"):
+        regression(torch.zeros(1, 2), torch.zeros(2))

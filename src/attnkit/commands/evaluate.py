@@ -36,15 +36,18 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     m = evaluate_checkpoint(args.checkpoint, write=False)
-    header = ["checkpoint", "train acc", "val acc", "test acc", "params", "seconds"]
-    row = [
-        str(args.checkpoint),
-        m["train_accuracy"],
-        m["val_accuracy"],
-        m["test_accuracy"],
-        m["params"],
-        m["seconds"],
-    ]
+    if "test_accuracy" in m:
+        names = {
+            "train_accuracy": "train acc",
+            "val_accuracy": "val acc",
+            "test_accuracy": "test acc",
+        }
+    elif "exact_match" in m:  # translate
+        names = {"val_token_accuracy": "val token acc", "exact_match": "exact match (test)"}
+    else:  # forecast: mean absolute error in ppm on the held-out years
+        names = {"val_mae": "val MAE", "mae": "test MAE", "mae_week_52": "test MAE week 52"}
+    header = ["checkpoint", *names.values(), "params", "seconds"]
+    row = [str(args.checkpoint), *(m[k] for k in names), m["params"], m["seconds"]]
     print(format_table([row], header))
     if args.out is not None:
         print(f"wrote {save_json(args.out, m)}")

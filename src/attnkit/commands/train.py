@@ -1,4 +1,4 @@
-"""``attnkit train iris|text``: the worked examples that learn (see ``attnkit.tasks``).
+"""``attnkit train iris|text|vit|translate|forecast``: the worked examples (``attnkit.tasks``).
 
 Every option is checked before any work (argparse types, then ``check``): a bad number, an
 option the task does not use, an ``--out`` that is a file, a second run into one that has
@@ -41,19 +41,29 @@ NATURAL = _number(int, 0, "a whole number of at least 0")
 POSITIVE_FLOAT = _number(float, 1e-300, "a finite number above 0")
 THREADS = _number(int, 1, "a whole number from 1 to 1024", 1024)  # torch takes up to 2**31 - 1
 TEXT_ONLY = ("max_len", "limit_train", "freeze_layers")  # options only the text task reads
+# The worked examples of the course (docs/learn): their default model sizes, which the options
+# --d-model, --heads and --layers replace.
+LEARN_SIZES = {
+    "vit": (64, 4, 3),
+    "translate": (64, 4, 2),
+    "forecast": (32, 4, 2),
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
-        help="train the Iris or the review classifier; writes a checkpoint and metrics.json",
+        help="train a worked example (iris, text, vit, translate, forecast); writes a "
+        "checkpoint, metrics.json and pictures",
         description="Train a worked example; the checkpoint, metrics.json and the attention "
         "pictures go to --out (default runs/TASK[-VARIANT]-seedN).",
     )
     p.add_argument(
         "task",
-        choices=["iris", "text"],
-        help="iris: 150 flowers, 3 species; text: 12,808 review snippets, fresh or rotten",
+        choices=["iris", "text", "vit", "translate", "forecast"],
+        help="iris: 150 flowers, 3 species; text: 12,808 review snippets, fresh or rotten; "
+        "vit: a Vision Transformer on 1,797 8x8 digits; translate: dates in many formats to "
+        "ISO, with cross-attention; forecast: a year of weekly Mauna Loa CO2",
     )
     p.add_argument(
         "--seed", type=NATURAL, default=0, help="seeds the split, the weights, the order"
@@ -64,6 +74,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["scratch", "pretrained"],
         default="scratch",
         help="text only: from-scratch model or fine-tuned MiniLM",
+    )
+    p.add_argument(
+        "--positional",
+        choices=["learned", "sinusoidal2d"],
+        default=None,
+        help="vit only: learned positions or the fixed 2-D sinusoidal table (the default)",
     )
     recipe = "(default: the task's recipe, e.g. %s for iris)"
     p.add_argument(
@@ -92,7 +108,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="pretrained: freeze embeddings and this many lower layers",
     )
     p.add_argument(
-        "--limit-train", type=POSITIVE, default=None, help="text: use N training snippets"
+        "--limit-train",
+        type=POSITIVE,
+        default=None,
+        help="text: use N training snippets; translate: generate N training examples (20,000)",
     )
     p.add_argument(
         "--threads",
@@ -139,12 +158,20 @@ def check(args: argparse.Namespace) -> Path:
     """Refuse what cannot work, before anything is created; returns the output directory."""
     import os
 
-    if args.task == "iris":
+    if args.positional is not None and args.task != "vit":
+        raise ValueError(f"--positional is for the vit task; {args.task} does not read it")
+    if args.task != "text":
         if args.variant != "scratch":
-            raise ValueError("--variant pretrained is for the text task; iris has one model")
-        if any(getattr(args, name) is not None for name in TEXT_ONLY):
-            used = [f"--{n.replace('_', '-')}" for n in TEXT_ONLY if getattr(args, n) is not None]
-            raise ValueError(f"{', '.join(used)}: only the text task reads this; iris does not")
+            raise ValueError(
+                f"--variant pretrained is for the text task; {args.task} has one model"
+            )
+        # translate reads --limit-train too: its number of generated training examples
+        text_only = [n for n in TEXT_ONLY if not (args.task == "translate" and n == "limit_train")]
+        if any(getattr(args, name) is not None for name in text_only):
+            used = [f"--{n.replace('_', '-')}" for n in text_only if getattr(args, n) is not None]
+            raise ValueError(
+                f"{', '.join(used)}: only the text task reads this; {args.task} does not"
+            )
     elif args.variant == "scratch" and args.freeze_layers is not None:
         raise ValueError("--freeze-layers is for --variant pretrained (the scratch model has none)")
     elif args.variant == "pretrained":
@@ -191,19 +218,30 @@ def check_recipe(args: argparse.Namespace) -> None:
     _train_config(args, TrainConfig())  # checks lr, epochs, batch size, patience
     if args.task == "text" and args.variant == "pretrained":
         return  # its sizes are the bundled model's (checked above)
-    base = TabularConfig() if args.task == "iris" else TextConfig(vocab_size=1)
-    d, heads = args.d_model or base.d_model, args.heads or base.num_heads
-    layers = args.layers or base.num_layers
+    if args.task in LEARN_SIZES:
+        base_d, base_heads, base_layers = LEARN_SIZES[args.task]
+        d, heads = args.d_model or base_d, args.heads or base_heads
+        layers, ff_mult = args.layers or base_layers, 4
+        if args.task == "vit" and args.positional != "learned" and d % 4:
+            raise ValueError(
+                f"--d-model {d}: the 2-D sinusoidal positions give rows and columns half the "
+                "width each, as sin/cos pairs, so it must divide by 4 (or --positional learned)"
+            )
+    else:
+        base = TabularConfig() if args.task == "iris" else TextConfig(vocab_size=1)
+        d, heads = args.d_model or base.d_model, args.heads or base.num_heads
+        layers, ff_mult = args.layers or base.num_layers, base.ff_mult
     if d % heads:
         raise ValueError(
             f"--heads {heads} must divide the embedding width --d-model {d} (each head reads an "
             "equal slice of it)"
         )
+    if args.task not in LEARN_SIZES:
+        replace(base, d_model=d, num_heads=heads, num_layers=layers)  # its own checks
     positions = args.max_len or 0
-    replace(base, d_model=d, num_heads=heads, num_layers=layers)
     # Each block holds 4 d^2 (attention) + 2 ff_mult d^2 (feed-forward) weights; with their
     # gradients and AdamW's two moments a float32 weight takes 16 bytes.
-    params = layers * (4 + 2 * base.ff_mult) * d * d + positions * d
+    params = layers * (4 + 2 * ff_mult) * d * d + positions * d
     check_fits(
         16 * params,
         f"--d-model {d}, --layers {layers}: the model's {params:,} weights with their gradients "
@@ -295,6 +333,11 @@ def _run(args: argparse.Namespace, env: DistEnv, say: Callable[..., None]) -> in
     progress = False if args.quiet else None
     sizes = {"d_model": args.d_model, "num_heads": args.heads, "num_layers": args.layers}
     sizes = {k: v for k, v in sizes.items() if v is not None}
+    if args.task in LEARN_SIZES:
+        m, rows, header = _run_learn(args, out, progress)
+        say(format_table(rows, header))
+        say(f"checkpoint, metrics.json and pictures in {out}")
+        return 0
     if args.task == "iris":
         from dataclasses import replace
 
@@ -368,3 +411,72 @@ def _run(args: argparse.Namespace, env: DistEnv, say: Callable[..., None]) -> in
         say("\n".join(m["heads"]))
     say(f"checkpoint and metrics.json in {out}")
     return 0
+
+
+def _run_learn(
+    args: argparse.Namespace, out: Path, progress: bool | None
+) -> tuple[dict, list[list], list[str]]:
+    """Train one of the course's worked examples; its metrics and the rows of the table."""
+    from dataclasses import replace
+
+    sizes = {"embed_dim": args.d_model, "num_heads": args.heads, "num_layers": args.layers}
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if args.task == "vit":
+        from attnkit.tasks.vit import VIT_TRAIN, VitConfig, VitRun, train_vit
+
+        if args.positional is not None:
+            sizes["positional"] = args.positional
+        vit = VitRun(args.seed, replace(VitConfig(), **sizes), _train_config(args, VIT_TRAIN))
+        m = train_vit(vit, out=out, resume=args.resume, progress=progress)
+        b = m["baseline"]
+        rows = [
+            [b["model"], b["train_accuracy"], b["val_accuracy"], b["test_accuracy"], "-"],
+            [
+                "Vision Transformer",
+                m["train_accuracy"],
+                m["val_accuracy"],
+                m["test_accuracy"],
+                m["params"],
+            ],
+        ]
+        return m, rows, ["model", "train acc", "val acc", "test acc", "params"]
+    if args.task == "translate":
+        from attnkit.tasks.translate import (
+            TRANSLATE_TRAIN,
+            TranslateConfig,
+            TranslateRun,
+            train_translate,
+        )
+
+        model = replace(TranslateConfig(), **sizes)
+        tr = TranslateRun(
+            args.seed,
+            model,
+            _train_config(args, TRANSLATE_TRAIN),
+            n_train=args.limit_train or TranslateRun.n_train,
+        )
+        m = train_translate(tr, out=out, resume=args.resume, progress=progress)
+        rows = [
+            [m["baseline"]["model"], m["baseline"]["exact_match"], "-"],
+            ["encoder-decoder, greedy (KV cache)", m["exact_match"], m["params"]],
+        ]
+        for wrong in m["wrong"][:5]:
+            print(f"{wrong['text']!r}: wrote {wrong['written']}, not {wrong['expected']}")
+        return m, rows, ["model", f"exact match ({m['n_test']} unseen dates)", "params"]
+    from attnkit.tasks.forecast import FORECAST_TRAIN, ForecastConfig, ForecastRun, train_forecast
+
+    fr = ForecastRun(
+        args.seed, replace(ForecastConfig(), **sizes), _train_config(args, FORECAST_TRAIN)
+    )
+    m = train_forecast(fr, out=out, resume=args.resume, progress=progress)
+    b = m["baseline"]
+    rows = [
+        ["seasonal naive", b["seasonal_naive"]["mae"], b["seasonal_naive"]["mae_week_52"]],
+        [
+            "linear trend + seasonal",
+            b["linear_trend_seasonal"]["mae"],
+            b["linear_trend_seasonal"]["mae_week_52"],
+        ],
+        ["attention over time", m["mae"], m["mae_week_52"]],
+    ]
+    return m, rows, ["model (1998-2001)", "MAE ppm, weeks 1-52", "MAE ppm, week 52"]

@@ -1,6 +1,7 @@
 """The worked examples by name: evaluate any checkpoint directory, print results as a table.
 
-A checkpoint's ``config.json`` names its task (``"iris"`` or ``"text"``); ``TASKS`` maps that
+A checkpoint's ``config.json`` names its task (``"iris"``, ``"text"``, ``"vit"``,
+``"translate"`` or ``"forecast"``); ``TASKS`` maps that
 name to the function that re-tests such a checkpoint, ``(directory, config) -> metrics``.
 """
 
@@ -11,8 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from attnkit.tasks.forecast import evaluate_forecast
 from attnkit.tasks.iris import evaluate_iris
 from attnkit.tasks.text import evaluate_text
+from attnkit.tasks.translate import evaluate_translate
+from attnkit.tasks.vit import evaluate_vit
 from attnkit.train.checkpoint import read_config, save_json
 from attnkit.train.manifest import open_checkpoint
 
@@ -21,6 +25,9 @@ __all__ = ["TASKS", "evaluate_checkpoint", "format_table"]
 TASKS: dict[str, Callable[[Path, dict[str, Any]], dict[str, Any]]] = {
     "iris": evaluate_iris,
     "text": evaluate_text,
+    "vit": evaluate_vit,
+    "translate": evaluate_translate,
+    "forecast": evaluate_forecast,
 }
 
 

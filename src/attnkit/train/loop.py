@@ -20,6 +20,12 @@ global RNG whose state is saved at the epoch boundary, and safetensors stores th
 Resuming from the end of epoch ``k`` therefore replays epochs ``k+1...`` bit for bit on the same
 machine and thread count.
 
+What is learned is the ``objective`` seam of ``FitOptions``: ``classification`` by default
+(cross-entropy; logits ``(b, classes)`` against labels ``(b,)``, or a sequence of them,
+``(b, classes, t)`` against ``(b, t)``, where a label of ``-100`` is padding and neither counts
+in the loss nor in the accuracy, as in ``F.cross_entropy``), or ``regression`` (mean absolute
+error; its "accuracy" is 0, so such a run monitors ``val_loss``).
+
 Two frozen dataclasses describe a call: ``TrainConfig`` is the recipe (saved with the checkpoint;
 a resumed run must use the same one), ``FitOptions`` says how this call runs: where it writes,
 whether it resumes or shows progress, and the seams for data-parallel training (``torchrun``):
@@ -60,17 +66,46 @@ __all__ = [
     "Dataset",
     "FitOptions",
     "FitResult",
+    "Objective",
     "TrainConfig",
+    "classification",
     "evaluate",
     "fit",
     "lr_at",
     "predict",
+    "regression",
     "shuffled_order",
     "trim_padding",
 ]
 
 Dataset = dict[str, Tensor]  # {"labels": (n,), other model inputs: (n, ...)}
 SCHEDULES = ("cosine", "linear", "constant")
+# (outputs, labels) -> (mean loss, correct predictions, predictions counted)
+Objective = Callable[[Tensor, Tensor], tuple[Tensor, int, int]]
+IGNORE = -100  # a padding label (F.cross_entropy's ignore_index)
+
+
+def classification(logits: Tensor, labels: Tensor) -> tuple[Tensor, int, int]:
+    """Cross-entropy and correct predictions: ``(b, c)`` vs ``(b,)`` or ``(b, c, t)`` vs ``(b, t)``.
+
+    In the sequence case every position is one prediction, and labels ``IGNORE`` (-100) are
+    padding: they count neither in the loss nor in the accuracy.
+    """
+    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE)
+    counted = labels != IGNORE
+    correct = int(((logits.argmax(dim=1) == labels) & counted).sum())
+    return loss, correct, int(counted.sum())
+
+
+def regression(outputs: Tensor, targets: Tensor) -> tuple[Tensor, int, int]:
+    """Mean absolute error of ``outputs`` against ``targets`` (same shape); nothing is "correct"
+    (accuracy 0), so monitor ``val_loss``. MAE, not squared error: it is the figure reported."""
+    if outputs.shape != targets.shape:
+        raise ValueError(
+            f"regression: outputs {tuple(outputs.shape)} and targets {tuple(targets.shape)} "
+            "must have one shape"
+        )
+    return (outputs - targets).abs().mean(), 0, targets.numel()
 
 
 @dataclass(frozen=True)
@@ -187,13 +222,16 @@ def predict(model: nn.Module, data: Dataset, batch_size: int = 256) -> Tensor:
     return torch.cat(out)
 
 
-def evaluate(model: nn.Module, data: Dataset, batch_size: int = 256) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy of ``model`` on ``data``."""
+def evaluate(
+    model: nn.Module,
+    data: Dataset,
+    batch_size: int = 256,
+    objective: Objective = classification,
+) -> tuple[float, float]:
+    """Mean loss and accuracy of ``model`` on ``data`` (``objective``: see the module's text)."""
     logits = predict(model, data, batch_size)
-    labels = data["labels"]
-    loss = F.cross_entropy(logits, labels).item()
-    acc = (logits.argmax(dim=-1) == labels).float().mean().item()
-    return loss, acc
+    loss, correct, counted = objective(logits, data["labels"])
+    return loss.item(), correct / max(1, counted)
 
 
 def default_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -328,6 +366,8 @@ class FitOptions:
         sampler: seam ``(n, epoch) -> indices``, the epoch's order; ``None`` is a seeded shuffle
             (``shuffled_order(config.seed)``).
         is_writer: ``False`` on every data-parallel rank but 0: it trains but writes nothing.
+        objective: ``(outputs, labels) -> (loss, correct, counted)``: ``classification``
+            (the default) or ``regression``.
     """
 
     out_dir: str | Path | None = None
@@ -337,6 +377,7 @@ class FitOptions:
     make_optimizer: Callable[[nn.Module, TrainConfig], torch.optim.Optimizer] = default_optimizer
     sampler: Callable[[int, int], Tensor] | None = None
     is_writer: bool = True
+    objective: Objective = classification
 
 
 def fit(
@@ -400,21 +441,21 @@ def fit(
             for group in opt.param_groups:  # a group may scale the schedule ("lr_scale")
                 group["lr"] = lr_at(state["step"], total_steps, config) * group.get("lr_scale", 1.0)
             logits = model(**batch)
-            loss = F.cross_entropy(logits, labels)
+            loss, right, counted = options.objective(logits, labels)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if config.grad_clip > 0:
                 nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             opt.step()
             state["step"] += 1
-            loss_sum += loss.item() * len(labels)
-            correct += int((logits.argmax(dim=-1) == labels).sum())
-            seen += len(labels)
+            loss_sum += loss.item() * counted
+            correct += right
+            seen += counted
             bar.update(1)
             bar.set_postfix(
                 epoch=epoch + 1, loss=f"{loss_sum / seen:.3f}", acc=f"{correct / seen:.3f}"
             )
-        val_loss, val_acc = evaluate(model, val)
+        val_loss, val_acc = evaluate(model, val, objective=options.objective)
         # Higher is better; the other number breaks ties.
         score = [-val_loss, val_acc] if config.monitor == "val_loss" else [val_acc, -val_loss]
         improved = state["best_score"] is None or score > state["best_score"]
