@@ -19,7 +19,10 @@ count its real tokens only (the first real token is position 0), so a padded row
 would alone; pad keys are masked out, and a pad query (which sees only pads) gives zeros.
 
 ``load_pretrained()`` gives the bundled SmolLM2-135M-Instruct (GGUF) with its tokenizer, ready to
-``generate`` text and ``chat``.
+``generate`` text and ``chat``. A GGUF file's weights stay in their block formats
+(``attnkit.quant``): the projections and the embedding become ``QuantizedLinear`` and
+``QuantizedEmbedding`` modules in the same places, and the tied output projection multiplies by
+the embedding's own bytes (``LlamaModel.project_out``).
 """
 
 from __future__ import annotations
@@ -42,10 +45,17 @@ from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.blocks import FeedForward
 from attnkit.models.llama_config import LlamaConfig
 from attnkit.models.llama_generate import Sampling, decode
-from attnkit.models.llama_loading import CheckpointError, read_checkpoint
+from attnkit.models.llama_loading import Blocks, CheckpointError, read_checkpoint
 from attnkit.models.llama_tokenizer import LlamaTokenizer
 from attnkit.norms import RMSNorm
 from attnkit.positional import RotaryEmbedding
+from attnkit.quant import (
+    ConcatLinear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    dequantize,
+    prepare_kernel,
+)
 
 __all__ = [
     "LlamaBlock",
@@ -144,14 +154,19 @@ class LlamaModel(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.embed = nn.Embedding(c.vocab_size, c.embed_dim)
+        # Shapes for a loader to fill (on meta) get no random values: normal_ on meta costs a
+        # second, the first time in a process (it imports torch._dynamo).
+        shapes_only = torch.get_default_device().type == "meta"
+        weight = torch.empty(c.vocab_size, c.embed_dim) if shapes_only else None
+        self.embed = nn.Embedding(c.vocab_size, c.embed_dim, _weight=weight)
         self.rope = RotaryEmbedding(c.head_dim, base=c.rope_base)
         self.blocks = nn.ModuleList(LlamaBlock(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.embed_dim, eps=c.eps)
         self.lm_head = (
             None if c.tie_embeddings else nn.Linear(c.embed_dim, c.vocab_size, bias=False)
         )
-        nn.init.normal_(self.embed.weight, std=0.02)  # Llama's initializer_range
+        if not shapes_only:
+            nn.init.normal_(self.embed.weight, std=0.02)  # Llama's initializer_range
 
     def new_caches(self, max_len: int | None = None) -> list[KVCache]:
         """One empty ``KVCache`` per layer (``max_len``: preallocate that many positions)."""
@@ -165,7 +180,7 @@ class LlamaModel(nn.Module):
         else:
             positions = (padding.long().cumsum(-1) - 1).clamp(min=0)  # (b, j): real tokens before
             cos, sin = self.rope.cos_sin_at(positions[:, None, -n:], device=device)  # (b, 1, i, d)
-        dtype = compute_dtype(self.embed.weight.dtype)
+        dtype = compute_dtype(self.norm.weight.dtype)
         return _Angles(cos.to(dtype), sin.to(dtype))
 
     def forward(
@@ -207,9 +222,17 @@ class LlamaModel(nn.Module):
         if last_only:
             x = x[:, -1:]  # (b, 1, e)
         x = self.norm(x)
-        out_weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, out_weight)  # (b, i, V)
+        logits = self.project_out(x)  # (b, i, V)
         return LlamaOutput(logits, weights if need_weights else None)
+
+    def project_out(self, x: Tensor) -> Tensor:
+        """``x (..., e)`` -> logits ``(..., V)``: ``lm_head``, or the tied embedding's matrix
+        (a ``QuantizedEmbedding`` multiplies by its blocks, never by a float32 copy)."""
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        if isinstance(self.embed, QuantizedEmbedding):
+            return self.embed.linear(x)
+        return F.linear(x, self.embed.weight)
 
 
 # --- the pretrained model with its tokenizer ---------------------------------------------------
@@ -338,7 +361,7 @@ class PretrainedLlama:
             self._check_cache_fits(len(prompts), max(map(len, prompts)), max_new_tokens)
         generator = None
         if seed is not None:
-            generator = torch.Generator(device=self.model.embed.weight.device).manual_seed(seed)
+            generator = torch.Generator(device=self.model.norm.weight.device).manual_seed(seed)
         pad = self.config.pad_id if self.config.pad_id is not None else (self.eos_id or 0)
         yield prompts
         yield from decode(
@@ -355,7 +378,8 @@ class PretrainedLlama:
         """The KV caches decoding preallocates (every layer's keys and values for ``b`` rows of
         ``n`` prompt and ``max_new_tokens`` new positions) must fit the device's memory: a huge
         ``max_new_tokens`` is refused here, not by the allocator inside the first step."""
-        c, weight = self.config, self.model.embed.weight
+        # The caches hold activations, in the dtype of the (never quantised) norms.
+        c, weight = self.config, self.model.norm.weight
         per_position = 2 * c.num_layers * c.num_kv_heads * c.head_dim * weight.element_size()
         positions = n + max_new_tokens
         check_fits(
@@ -408,7 +432,7 @@ class PretrainedLlama:
         are the generation's attention over the prompt and the cache."""
         if isinstance(ids, Tensor):
             ids = ids.tolist()
-        x = torch.tensor([list(ids)], device=self.model.embed.weight.device)  # (1, n)
+        x = torch.tensor([list(ids)], device=self.model.norm.weight.device)  # (1, n)
         with torch.no_grad():
             out = self.model(x, need_weights=True)
         assert out.weights is not None
@@ -547,21 +571,52 @@ def _text_pieces(
         yield text[emitted:]
 
 
+WEIGHTS = ("gguf", "float32")
+
+
 def load_pretrained(
-    path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype = torch.float32,
+    weights: str | None = None,
 ) -> PretrainedLlama:
     """A Llama checkpoint with its tokenizer, ready to generate.
 
     ``path``: a ``.gguf`` file or a Hugging Face directory (``config.json``,
     ``model.safetensors``, ``tokenizer.json``); ``None`` means the bundled SmolLM2-135M-Instruct
     (``bundled_model_path()``), which works offline. Names and shapes are checked before any
-    tensor is read (``attnkit.models.llama_loading``); quantised GGUF blocks are de-quantised to
-    float32, then cast to ``dtype``. The output matrix is stored column-major
-    (``_column_major``), which makes token-by-token decoding faster and changes no value.
+    tensor is read (``attnkit.models.llama_loading``).
+
+    ``weights``:
+
+    * ``"gguf"`` (a GGUF file's default): every matrix stays in its block format
+      (``attnkit.quant``; the bundled model takes about 100 MB instead of 540 MB) and the model
+      computes in float32 with exactly the de-quantised values. Tensors of a block type
+      ``attnkit.quant`` does not implement are de-quantised to float32, with a warning naming
+      them. ``dtype`` must be float32.
+    * ``"float32"`` (a Hugging Face directory's default and only choice): every tensor is
+      de-quantised to float32, then cast to ``dtype``. The output matrix is stored column-major
+      (``_column_major``), which makes token-by-token decoding faster and changes no value.
+
+    ``weights=None`` with a ``dtype`` other than float32 means ``"float32"``.
     """
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype must be a floating-point torch dtype, got {dtype!r}")
+    if weights is not None and weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS} or None, got {weights!r}")
     ckpt = read_checkpoint(bundled_model_path() if path is None else path)
+    is_gguf = ckpt.read_blocks is not None
+    if weights is None:
+        weights = "gguf" if is_gguf and dtype == torch.float32 else "float32"
+    if weights == "gguf" and not is_gguf:
+        raise ValueError(
+            f"weights='gguf' keeps a GGUF file's quantised blocks, but {str(ckpt.path)!r} is a "
+            "Hugging Face directory of float tensors: pass weights='float32' (or None)"
+        )
+    if weights == "gguf" and dtype != torch.float32:
+        raise ValueError(
+            f"dtype={dtype} applies to weights='float32'; a model that keeps its GGUF blocks "
+            "computes in float32 (pass weights='float32' to cast every weight)"
+        )
     if ckpt.tokenizer["format"] == "gguf":
         tokenizer = LlamaTokenizer.from_gguf_metadata(ckpt.tokenizer["metadata"])
     else:
@@ -571,10 +626,70 @@ def load_pretrained(
             f"{str(ckpt.path)!r}: the tokenizer gives ids up to {tokenizer.max_id:,} (user-defined "
             f"and added tokens included), but the model embeds {ckpt.config.vocab_size:,} tokens"
         )
+    if weights == "gguf":
+        assert ckpt.read_blocks is not None
+        model = quantized_model(ckpt.config, ckpt.read_blocks())
+        prepare_kernel()  # looks the kernel up; starts its build in the background if missing
+        return PretrainedLlama(model, tokenizer, ckpt.path)
     with torch.device("meta"):
         model = LlamaModel(ckpt.config)  # shapes only: the weights come from the file
     model.load_state_dict(ckpt.read(), strict=True, assign=True)
     return PretrainedLlama(_column_major(model.to(dtype)), tokenizer, ckpt.path)
+
+
+def quantized_model(config: LlamaConfig, parts: Mapping[str, list[Blocks | Tensor]]) -> LlamaModel:
+    """A ``LlamaModel`` whose matrices keep their GGUF blocks (``LlamaCheckpoint.read_blocks``).
+
+    Every ``nn.Linear`` and the embedding is replaced by its ``attnkit.quant`` twin holding the
+    file's bytes; norms are float32 parameters. ``in_proj`` is one ``QuantizedLinear`` over the
+    stacked byte rows of ``[q; k; v]`` when the three share a type (one product per step, as the
+    float model); otherwise a ``ConcatLinear`` of its parts (a file may store ``attn_v`` in a
+    finer type than ``attn_q``/``attn_k``), which computes the same values in more products.
+    A part that was de-quantised (an unimplemented type) becomes a float32 ``nn.Linear``.
+    """
+    with torch.device("meta"):
+        model = LlamaModel(config)  # the structure; every tensor is replaced below
+    model.embed = _embedding(parts["embed.weight"][0])
+    model.norm.weight = nn.Parameter(_float(parts["norm.weight"][0]))
+    for n, block in enumerate(model.blocks):
+        p = f"blocks.{n}."
+        block.attn_norm.weight = nn.Parameter(_float(parts[p + "attn_norm.weight"][0]))
+        block.ffn_norm.weight = nn.Parameter(_float(parts[p + "ffn_norm.weight"][0]))
+        block.attn.in_proj = _linear(parts[p + "attn.in_proj.weight"])
+        block.attn.out_proj = _linear(parts[p + "attn.out_proj.weight"])
+        block.ffn.gate = _linear(parts[p + "ffn.gate.weight"])
+        block.ffn.up = _linear(parts[p + "ffn.up.weight"])
+        block.ffn.down = _linear(parts[p + "ffn.down.weight"])
+    if model.lm_head is not None:
+        model.lm_head = _linear(parts["lm_head.weight"])
+    return model.eval()
+
+
+def _float(part: Blocks | Tensor) -> Tensor:
+    """A norm's weight as float32 (GGUF stores them as F32, or F16 in some files)."""
+    if isinstance(part, Tensor):
+        return part.float()
+    return dequantize(part.raw, part.kind, part.shape[-1]).reshape(part.shape[0] * part.shape[1])
+
+
+def _embedding(part: Blocks | Tensor) -> nn.Module:
+    if isinstance(part, Tensor):
+        return nn.Embedding.from_pretrained(part.float(), freeze=False)
+    v, e = part.shape
+    return QuantizedEmbedding(v, e, part.kind, raw=part.raw)
+
+
+def _linear(parts: list[Blocks | Tensor]) -> nn.Module:
+    """One projection from its parts (``LlamaCheckpoint.read_blocks``: rows in order)."""
+    if len(parts) > 1:
+        return ConcatLinear([_linear([p]) for p in parts])
+    (part,) = parts
+    if isinstance(part, Blocks):
+        n, k = part.shape
+        return QuantizedLinear(k, n, part.kind, raw=part.raw)  # raw (n, row_bytes)
+    linear = nn.Linear(part.shape[1], part.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(part.float())  # (n, k): a type attnkit.quant does not read
+    return linear
 
 
 def _column_major(model: LlamaModel) -> LlamaModel:
