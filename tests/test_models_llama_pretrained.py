@@ -147,8 +147,25 @@ def test_gguf_logits_are_the_float32_logits(bundled, bundled_gguf, n: int) -> No
     assert error <= 1e-3, error
 
 
-def test_gguf_greedy_tokens_are_the_float32_tokens(bundled, bundled_gguf) -> None:
-    # One left-padded batch: the steps (each de-quantises every matrix on the reference path)
-    # are shared by the three prompts.
+@pytest.fixture
+def quant_kernel(monkeypatch):
+    """The fused kernel's qmatmul where it can be built here (this build is an explicit
+    request), else the reference path, which de-quantises every matrix at each step."""
+    from attnkit.backends.fused import jit
+    from attnkit.quant import linear
+
+    if jit.prerequisites() is None:
+        try:
+            module = jit.build()
+        except jit.NotBuilt:
+            return None
+        if hasattr(module, "qmatmul"):
+            monkeypatch.setattr(linear, "_KERNEL", [module])
+            return module
+    return None
+
+
+def test_gguf_greedy_tokens_are_the_float32_tokens(bundled, bundled_gguf, quant_kernel) -> None:
+    # One left-padded batch: the three prompts share the steps.
     prompts = ["Once upon a time", bundled.chat_prompt(FRANCE), "def fibonacci(n):"]
     assert bundled_gguf.generate_ids(prompts, 16) == bundled.generate_ids(prompts, 16)
