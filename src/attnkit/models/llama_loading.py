@@ -283,21 +283,29 @@ def _read_gguf(path: Path) -> LlamaCheckpoint:
             return config.num_heads
         return config.num_kv_heads if name.endswith("attn_k.weight") else None
 
-    def stacked(data: np.memmap, names: list[str]) -> Blocks:
-        """The byte rows of ``names`` (one type), stacked, copied from the file once."""
+    def read_into(handle: Any, name: str, out: np.ndarray) -> None:
+        """The bytes of tensor ``name`` into ``out`` (contiguous), straight from the file (a
+        plain read is about twice as fast as copying from a memory map, page by page)."""
+        t = infos[name]
+        handle.seek(t.start)
+        if handle.readinto(memoryview(out.reshape(-1))) != t.n_bytes:
+            raise CheckpointError(f"{str(path)!r} ended inside tensor {name!r} (truncated)")
+
+    def stacked(handle: Any, names: list[str]) -> Blocks:
+        """The byte rows of ``names`` (one type), stacked in one buffer."""
         first = infos[names[0]]
         row_bytes = first.n_bytes // first.shape[0]
         rows = sum(infos[name].shape[0] for name in names)
         out = np.empty((rows, row_bytes), dtype=np.uint8)  # (sum n, row_bytes)
         at = 0
         for name in names:
-            t = infos[name]
-            n = t.shape[0]
-            src = data[t.start : t.start + t.n_bytes].reshape(n, row_bytes)  # (n, row_bytes)
+            n = infos[name].shape[0]
             heads = heads_of(name)
             if heads is None:
-                out[at : at + n] = src
-            else:  # unpermute_qk on byte rows (each row is whole blocks), written in place
+                read_into(handle, name, out[at : at + n])
+            else:  # unpermute_qk on byte rows (each row is whole blocks)
+                src = np.empty((n, row_bytes), dtype=np.uint8)  # (n, row_bytes), as stored
+                read_into(handle, name, src)
                 half = n // heads // 2
                 dst = out[at : at + n].reshape(heads, 2, half, row_bytes)
                 dst[...] = src.reshape(heads, half, 2, row_bytes).swapaxes(1, 2)
@@ -305,7 +313,10 @@ def _read_gguf(path: Path) -> LlamaCheckpoint:
         return Blocks(torch.from_numpy(out), first.ggml_type, (rows, first.shape[1]))
 
     def read_blocks() -> dict[str, list[Blocks | Tensor]]:
-        data = np.memmap(path, dtype=np.uint8, mode="r")
+        with path.open("rb", buffering=0) as handle:
+            return _read_blocks(handle, np.memmap(path, dtype=np.uint8, mode="r"))
+
+    def _read_blocks(handle: Any, data: np.memmap) -> dict[str, list[Blocks | Tensor]]:
         fallback: dict[str, list[str]] = {}
         state: dict[str, list[Blocks | Tensor]] = {}
         for target, sources in groups.items():
@@ -315,7 +326,7 @@ def _read_gguf(path: Path) -> LlamaCheckpoint:
                 if run and not (
                     name and kept(name) and infos[name].ggml_type == infos[run[0]].ggml_type
                 ):
-                    parts.append(stacked(data, run))
+                    parts.append(stacked(handle, run))
                     run = []
                 if not name:
                     break
