@@ -94,11 +94,12 @@ def qlinear(x: Tensor, raw: Tensor, kind: int, k: int, bias: Tensor | None = Non
     float32 CPU inputs go through ``qmatmul`` when the kernel is there; anything else through
     the reference (de-quantise, ``F.linear``). Both compute in float32."""
     ops = _KERNEL[0] if _KERNEL else kernel()
-    if ops is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-        rows = x.reshape(-1, k).contiguous()  # (m, k)
-        out = torch.empty(rows.shape[0], raw.shape[0], dtype=torch.float32)  # (m, n)
-        ops.qmatmul(rows, raw, kind, out)
-        out = out.view(*x.shape[:-1], raw.shape[0])  # (..., n)
+    # About 150 calls per decoded token: the cheapest checks (``x.device.type`` would build a
+    # device object each time).
+    if ops is not None and x.dtype is torch.float32 and x.is_cpu:
+        n = raw.shape[0]
+        out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)  # (..., n)
+        ops.qmatmul(x.reshape(-1, k).contiguous(), raw, kind, out.view(-1, n))  # (m, k), (m, n)
         return out if bias is None else out + bias
     w = dequantize(raw, kind, k)  # (n, k) float32, for this call only
     out = F.linear(x.float(), w, None if bias is None else bias.float())
