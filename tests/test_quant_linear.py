@@ -110,3 +110,28 @@ def test_bad_shapes_are_named() -> None:
     with pytest.raises(ValueError, match="in_features=64"):
         QuantizedLinear(64, 4, 3)(torch.zeros(2, 63))
     assert np.array_equal(QuantizedLinear(64, 4, 3).raw.numpy(), np.zeros((4, 40), np.uint8))
+
+
+@pytest.mark.parametrize("background", ["1", "0"])
+def test_a_missing_kernel_is_built_in_the_background_and_said_once(
+    monkeypatch, caplog, background
+) -> None:
+    """Loading a quantised model calls prepare_kernel: without a kernel it starts the build
+    through rates.start_background (unless ATTNKIT_BACKGROUND=0) and says so once per process."""
+    from attnkit.quant import prepare_kernel
+
+    monkeypatch.setattr(qlinear, "_KERNEL", [None])
+    monkeypatch.setattr(qlinear, "_ANNOUNCED", [])
+    monkeypatch.setattr(qlinear.jit, "is_built", lambda: False)
+    monkeypatch.setattr(qlinear.jit, "prerequisites", lambda: None)
+    monkeypatch.setattr(qlinear.jit, "unavailable", lambda: "not built yet")
+    monkeypatch.setenv("ATTNKIT_BACKGROUND", background)
+    started = []
+    monkeypatch.setattr(qlinear.rates, "start_background", lambda *a: started.append(a) or True)
+    with caplog.at_level("WARNING", logger="attnkit"):
+        for _ in range(3):
+            assert prepare_kernel() == "the fused kernel is unavailable: not built yet"
+    assert len(started) == (background == "1")
+    said = [r.getMessage() for r in caplog.records if "reference path" in r.getMessage()]
+    assert len(said) == 1
+    assert ("has started in the background" in said[0]) == (background == "1")
