@@ -40,6 +40,7 @@ are torch's order, which is the GGUF list reversed.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -273,9 +274,12 @@ def _read_gguf(path: Path) -> LlamaCheckpoint:
             state[target] = parts[0] if len(parts) == 1 else torch.cat(parts)
         return state
 
-    def kept(name: str) -> bool:
+    def kept_kind(name: str) -> int | None:
+        """The tensor's ggml type when it stays in its blocks (a matrix of a type attnkit.quant
+        implements, little-endian), else None (read as float32)."""
         t = infos[name]
-        return len(t.shape) == 2 and t.ggml_type in FORMATS and header.byte_order == "<"
+        kept = len(t.shape) == 2 and t.ggml_type in FORMATS and header.byte_order == "<"
+        return t.ggml_type if kept else None
 
     def heads_of(name: str) -> int | None:
         """The heads whose rows llama.cpp permuted in this tensor (q: h, k: h_kv), or None."""
@@ -303,44 +307,38 @@ def _read_gguf(path: Path) -> LlamaCheckpoint:
             heads = heads_of(name)
             if heads is None:
                 read_into(handle, name, out[at : at + n])
-            else:  # unpermute_qk on byte rows (each row is whole blocks)
-                src = np.empty((n, row_bytes), dtype=np.uint8)  # (n, row_bytes), as stored
-                read_into(handle, name, src)
-                half = n // heads // 2
-                dst = out[at : at + n].reshape(heads, 2, half, row_bytes)
-                dst[...] = src.reshape(heads, half, 2, row_bytes).swapaxes(1, 2)
+            else:
+                stored = np.empty((n, row_bytes), dtype=np.uint8)  # (n, row_bytes)
+                read_into(handle, name, stored)
+                out[at : at + n] = unpermute_qk(stored, heads)  # byte rows: whole blocks each
             at += n
         return Blocks(torch.from_numpy(out), first.ggml_type, (rows, first.shape[1]))
 
     def read_blocks() -> dict[str, list[Blocks | Tensor]]:
         with path.open("rb", buffering=0) as handle:
-            return _read_blocks(handle, np.memmap(path, dtype=np.uint8, mode="r"))
+            return read_all(handle, np.memmap(path, dtype=np.uint8, mode="r"))
 
-    def _read_blocks(handle: Any, data: np.memmap) -> dict[str, list[Blocks | Tensor]]:
+    def read_all(handle: Any, data: np.memmap) -> dict[str, list[Blocks | Tensor]]:
         fallback: dict[str, list[str]] = {}
         state: dict[str, list[Blocks | Tensor]] = {}
         for target, sources in groups.items():
             parts: list[Blocks | Tensor] = []
-            run: list[str] = []  # consecutive kept tensors of one type: stacked as one part
-            for name in [*sources, ""]:
-                if run and not (
-                    name and kept(name) and infos[name].ggml_type == infos[run[0]].ggml_type
-                ):
-                    parts.append(stacked(handle, run))
-                    run = []
-                if not name:
-                    break
-                if kept(name):
-                    run.append(name)
+            # Consecutive tensors of one kept type are one part (their byte rows stacked).
+            for kind, run in itertools.groupby(sources, kept_kind):
+                names = list(run)
+                if kind is not None:
+                    parts.append(stacked(handle, names))
                     continue
-                t = infos[name]
-                if len(t.shape) == 2 and t.ggml_type not in floats:
-                    fallback.setdefault(GGMLQuantizationType(t.ggml_type).name, []).append(name)
-                w = array(data, name)
-                heads = heads_of(name)
-                if heads is not None:
-                    w = unpermute_qk(w, heads)
-                parts.append(torch.from_numpy(np.ascontiguousarray(w)))
+                for name in names:
+                    t = infos[name]
+                    if len(t.shape) == 2 and t.ggml_type not in floats:
+                        kind_name = GGMLQuantizationType(t.ggml_type).name
+                        fallback.setdefault(kind_name, []).append(name)
+                    w = array(data, name)
+                    heads = heads_of(name)
+                    if heads is not None:
+                        w = unpermute_qk(w, heads)
+                    parts.append(torch.from_numpy(np.ascontiguousarray(w)))
             state[target] = parts
         if fallback:
             listed = "; ".join(
@@ -351,7 +349,7 @@ def _read_gguf(path: Path) -> LlamaCheckpoint:
             warnings.warn(
                 f"{str(path)!r}: attnkit.quant does not implement these block types, so their "
                 f"tensors are de-quantised to float32 (more memory, same values): {listed}",
-                stacklevel=3,
+                stacklevel=4,  # the caller of load_pretrained
             )
         return state
 
