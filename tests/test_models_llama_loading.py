@@ -91,6 +91,10 @@ def test_gguf_weights_stay_in_their_blocks_and_give_the_float32_logits(
         got, want = m(_ids()).logits, plain.model(_ids()).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert kept.generate("ab", 5) == plain.generate("ab", 5)
+    hi = [{"role": "user", "content": "hi"}]
+    assert kept.chat(hi, 4) == plain.chat(hi, 4)
+    assert list(kept.stream("ab", 3)) == list(plain.stream("ab", 3))
+    torch.testing.assert_close(kept.attention([1, 2, 3]), plain.attention([1, 2, 3]))
 
 
 def test_mixed_and_unimplemented_types(tmp_path, hf_tiny) -> None:
