@@ -75,7 +75,7 @@ def prepare_kernel() -> str | None:
         return why
     _ANNOUNCED.append(True)
     started = False
-    if jit.prerequisites() is None and rates.background_allowed():
+    if jit.prerequisites() is None and not jit.is_built() and rates.background_allowed():
         started = rates.start_background("float32", torch.get_num_threads())
     _log.warning(
         "attnkit: the quantised model multiplies by de-quantised weights (the reference path, "
