@@ -69,7 +69,7 @@ def load_both():
     from attnkit.models.llama import bundled_model_path, load_pretrained
 
     path = bundled_model_path()
-    ours = load_pretrained()
+    ours = load_pretrained(weights="float32")  # the float32 model, as transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
@@ -172,7 +172,7 @@ def memory_child(library: str, ids: list[int]) -> None:
 
     start = time.perf_counter()
     if library == "attnkit":
-        run = attnkit_runner(load_pretrained(), ids)
+        run = attnkit_runner(load_pretrained(weights="float32"), ids)
     else:
         import transformers
 

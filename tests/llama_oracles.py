@@ -4,7 +4,9 @@
   in code, saved as a Hugging Face directory, and the same weights read into attnkit's
   ``LlamaModel`` through ``attnkit.models.llama_loading`` (what ``load_pretrained`` uses).
 * ``bundled`` / ``hf_bundled`` / ``hf_tokenizer``: the bundled SmolLM2 GGUF, loaded once per test
-  module by attnkit and by transformers (``from_pretrained(dir, gguf_file=...)``), offline.
+  module by attnkit (de-quantised to float32, ``weights="float32"``) and by transformers
+  (``from_pretrained(dir, gguf_file=...)``), offline; ``bundled_gguf``: attnkit's model that
+  keeps the file's blocks (``load_pretrained()``'s default).
 
 ``transformers`` is imported inside the functions that need it; a test file that uses them
 declares ``pytest.importorskip("transformers")`` itself. A test file takes a fixture by
@@ -81,7 +83,12 @@ def model_from(path: Path) -> LlamaModel:
 
 @functools.cache
 def _bundled():
-    return load_pretrained()
+    return load_pretrained(weights="float32")
+
+
+@functools.cache
+def _bundled_gguf():
+    return load_pretrained(weights="gguf")
 
 
 @functools.cache
@@ -105,6 +112,11 @@ def _hf_tokenizer():
 @pytest.fixture(scope="module")
 def bundled():
     return _bundled()
+
+
+@pytest.fixture(scope="module")
+def bundled_gguf():
+    return _bundled_gguf()
 
 
 @pytest.fixture(scope="module")
@@ -159,13 +171,15 @@ def write_gguf(
     reshape: dict[str, tuple[int, ...]] | None = None,
     block_count: int | None = None,
     user_tokens: tuple[str, ...] = (),
+    qtypes: dict[str, str] | None = None,
 ) -> Path:
     """Write ``hf_model``'s weights as llama.cpp's converter does: GGUF names, q/k rows
     permuted (``LlamaModel.permute`` in convert_hf_to_gguf.py, written out here), 2-D weights in
     ``qtype``, norms in F32, and a byte-level tokenizer with a chat template. ``block_count``:
     the layer count the metadata claims (default: the model's). ``user_tokens``: user-defined
     tokens after the vocabulary, with ``llama.vocab_size`` still the model's (so their ids lie
-    past the embedding)."""
+    past the embedding). ``qtypes``: GGUF name suffix -> type, overriding ``qtype`` for the
+    2-D tensors whose names end with it (``{"attn_v.weight": "Q8_0"}``)."""
     import gguf
     import numpy as np
 
@@ -221,9 +235,10 @@ def write_gguf(
         if reshape and g_name in reshape:
             w = np.resize(w, reshape[g_name])
         w = np.ascontiguousarray(w)
-        if w.ndim == 2 and qtype != "F32":
-            kind = gguf.GGMLQuantizationType[qtype]
-            if qtype == "F16":
+        this = next((t for end, t in (qtypes or {}).items() if g_name.endswith(end)), qtype)
+        if w.ndim == 2 and this != "F32":
+            kind = gguf.GGMLQuantizationType[this]
+            if this == "F16":
                 writer.add_tensor(g_name, w.astype(np.float16))
             else:
                 writer.add_tensor(g_name, gguf.quants.quantize(w, kind), raw_dtype=kind)

@@ -117,6 +117,7 @@ CORE = {"masks", "functional", "registry"}
 PACKAGE_LAYERS = {
     "backends": "backends",
     "flex": "modules",
+    "quant": "modules",
     "models": "models",
     "integrations": "models",
     "viz": "viz",

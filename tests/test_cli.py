@@ -65,7 +65,7 @@ class Slow:
             time.sleep(0.01)
             yield " token"
 
-generate.load_model = lambda path: Slow()
+generate.load_model = lambda path, weights=None: Slow()
 from attnkit.cli import main
 sys.exit(main(["generate", "Hello", "--max-new-tokens", "500"]))
 """

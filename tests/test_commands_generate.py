@@ -40,7 +40,9 @@ def test_help_describes_the_attention_view(capsys) -> None:
 
 @pytest.mark.slow
 def test_chat_streams_the_bundled_answer(capsys, monkeypatch) -> None:
-    monkeypatch.setattr(generate, "load_model", lambda path: _bundled())  # loaded once per run
+    monkeypatch.setattr(
+        generate, "load_model", lambda path, weights=None: _bundled()
+    )  # loaded once per run
     assert main(["generate", "--chat", "What is the capital of France?"]) == 0
     assert capsys.readouterr().out == "The capital of France is Paris.\n"
 
@@ -70,12 +72,28 @@ def test_continuation_is_printed_after_the_prompt(tiny_gguf, capsys) -> None:
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_loading(extra, match, capsys, monkeypatch):
-    def no_load(path):
+    def no_load(path, weights=None):
         raise AssertionError("the model loaded before the arguments were checked")
 
     monkeypatch.setattr(generate, "load_model", no_load)
     assert main(["generate", *extra]) == 2
     assert match in _one_line(capsys)
+
+
+def test_weights_choose_the_blocks_or_float32(tiny_gguf, tmp_path, capsys, monkeypatch) -> None:
+    outputs = []
+    for weights in ("gguf", "float32"):
+        assert main(["generate", "Once", "--max-new-tokens", "6", "--model", str(tiny_gguf),
+                     "--weights", weights]) == 0  # fmt: skip
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+
+    def no_load(path, weights=None):
+        raise AssertionError("the model loaded before the arguments were checked")
+
+    monkeypatch.setattr(generate, "load_model", no_load)
+    assert main(["generate", "hi", "--model", str(tmp_path), "--weights", "gguf"]) == 2
+    assert "--weights gguf keeps a GGUF file's blocks" in _one_line(capsys)
 
 
 def test_foreign_and_truncated_files_are_one_line_and_exit_2(tiny_gguf, tmp_path, capsys):

@@ -64,6 +64,96 @@ def test_quantised_weights_land_in_the_right_places(tmp_path, hf_tiny, qtype, to
         assert error < tolerance, (qtype, tuple(want.shape), float(error))
 
 
+def _float_tensors(model) -> dict[str, tuple[int, ...]]:
+    """Every floating-point parameter and buffer of ``model``: name -> shape."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return {name: tuple(t.shape) for name, t in named if t.is_floating_point()}
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_weights_stay_in_their_blocks_and_give_the_float32_logits(
+    tmp_path, hf_tiny, qtype
+) -> None:
+    from attnkit.quant import QuantizedEmbedding, QuantizedLinear
+
+    path = write_gguf(tmp_path / f"{qtype}.gguf", hf_tiny, qtype=qtype)
+    kept, plain = load_pretrained(path), load_pretrained(path, weights="float32")
+    m = kept.model
+    assert isinstance(m.embed, QuantizedEmbedding) and m.embed.format.name == qtype
+    for layer in (m.blocks[1].attn.in_proj, m.blocks[1].attn.out_proj, m.blocks[0].ffn.down):
+        assert isinstance(layer, QuantizedLinear) and layer.format.name == qtype
+    # q/k rows unpermuted as byte rows: the stacked matrix is the float32 path's, value for value
+    assert torch.equal(m.blocks[1].attn.in_proj.weight, plain.model.blocks[1].attn.in_proj.weight)
+    assert torch.equal(m.embed.weight, plain.model.embed.weight)
+    # Only the norms are float tensors: (64,) each.
+    assert set(_float_tensors(m).values()) == {(64,)}
+    with torch.no_grad():
+        got, want = m(_ids()).logits, plain.model(_ids()).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert kept.generate("ab", 5) == plain.generate("ab", 5)
+    hi = [{"role": "user", "content": "hi"}]
+    assert kept.chat(hi, 4) == plain.chat(hi, 4)
+    assert list(kept.stream("ab", 3)) == list(plain.stream("ab", 3))
+    torch.testing.assert_close(kept.attention([1, 2, 3]), plain.attention([1, 2, 3]))
+
+
+def test_mixed_and_unimplemented_types(tmp_path, hf_tiny) -> None:
+    """q/k in Q4_1 and v in Q8_0 (as llama.cpp's mixes store attn_v finer): in_proj is a
+    ConcatLinear of the two runs. ffn_down in Q5_0, which attnkit.quant does not implement:
+    de-quantised to float32, with one warning naming the type and the tensors."""
+    from attnkit.quant import ConcatLinear, QuantizedLinear
+
+    types = {"attn_v.weight": "Q8_0", "ffn_down.weight": "Q5_0"}
+    path = write_gguf(tmp_path / "mixed.gguf", hf_tiny, qtype="Q4_1", qtypes=types)
+    with pytest.warns(
+        UserWarning, match=r"Q5_0: blk\.0\.ffn_down\.weight, blk\.1\.ffn_down"
+    ) as seen:
+        kept = load_pretrained(path)
+    assert len(seen) == 1
+    plain = load_pretrained(path, weights="float32")
+    in_proj = kept.model.blocks[0].attn.in_proj
+    assert isinstance(in_proj, ConcatLinear)
+    assert [(p.format.name, p.out_features) for p in in_proj.parts] == [("Q4_1", 96), ("Q8_0", 32)]
+    assert isinstance(kept.model.blocks[0].ffn.down, torch.nn.Linear)
+    assert isinstance(kept.model.blocks[0].ffn.up, QuantizedLinear)
+    with torch.no_grad():
+        got, want = kept.model(_ids()).logits, plain.model(_ids()).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_weights_are_checked(tmp_path, hf_tiny) -> None:
+    path = write_gguf(tmp_path / "tiny.gguf", hf_tiny, qtype="Q8_0")
+    with pytest.raises(ValueError, match=r"weights must be one of \('gguf', 'float32'\)"):
+        load_pretrained(path, weights="int4")
+    with pytest.raises(ValueError, match=r"dtype=torch\.bfloat16 applies to weights='float32'"):
+        load_pretrained(path, dtype=torch.bfloat16, weights="gguf")
+    # A dtype other than float32 without weights= means the float path, as before.
+    model = load_pretrained(path, dtype=torch.bfloat16)
+    assert model.model.blocks[0].ffn.up.weight.dtype == torch.bfloat16
+    hf_tiny.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="is a Hugging Face directory of float tensors"):
+        load_pretrained(tmp_path / "hf", weights="gguf")
+
+
+def test_truncated_or_lying_quantised_files_fail_before_reading(tmp_path, hf_tiny) -> None:
+    path = write_gguf(tmp_path / "tiny.gguf", hf_tiny, qtype="Q4_1")
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:-1])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_pretrained(cut)
+    # token_embd claims 2**40 rows: refused from the header, before any allocation.
+    name = b"token_embd.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4 + 8  # dims[1]
+    assert struct.unpack_from("<Q", data, at)[0] == 260
+    lying = tmp_path / "lying.gguf"
+    lying.write_bytes(data[:at] + struct.pack("<Q", 2**40) + data[at + 8 :])
+    started = time.perf_counter()
+    with pytest.raises(CheckpointError, match=r"tensor 'token_embd\.weight' \(dims \[64, 1099"):
+        load_pretrained(lying)
+    assert time.perf_counter() - started < 1.0
+
+
 def test_hugging_face_directory_loads_with_its_tokenizer(tmp_path, hf_tiny) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 

@@ -1,5 +1,6 @@
 """The bundled SmolLM2-135M-Instruct against transformers' LlamaForCausalLM loaded from the same
-GGUF: logits, greedy generation, tokenizer and chat template. Both models load once per test
+GGUF: logits, greedy generation, tokenizer and chat template; and the model that keeps the GGUF
+blocks (``load_pretrained()``'s default) against the float32 one. The models load once per test
 session (``llama_oracles``)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ pytest.importorskip("gguf")
 
 from llama_oracles import TEXTS
 from llama_oracles import bundled as bundled
+from llama_oracles import bundled_gguf as bundled_gguf
 from llama_oracles import hf_bundled as hf_bundled
 from llama_oracles import hf_tokenizer as hf_tokenizer
 
@@ -120,3 +122,50 @@ def test_left_padded_batch_gives_the_tokens_of_each_prompt_alone(bundled) -> Non
     alone = [bundled.generate_ids(p, 12)[0] for p in prompts]
     assert together == alone
     assert bundled.generate(prompts, 12)[1] == "The capital of France is Paris."
+
+
+# --- the quantised model (the GGUF blocks kept) against the float32 one -----------------------
+
+
+def test_the_gguf_model_keeps_its_weights_quantised(bundled_gguf) -> None:
+    """Q4_1 projections and the Q8_0 embedding (also the tied output matrix) stay in their
+    blocks: about 97 MB of parameters and buffers instead of 540 MB, and no float tensor above
+    1 MB (the norms are 576 floats each)."""
+    m = bundled_gguf.model
+    tensors = {id(t): t for t in [*m.parameters(), *m.buffers()]}.values()  # shared once
+    assert sum(t.numel() * t.element_size() for t in tensors) < 110e6
+    big = [t.shape for t in tensors if t.is_floating_point() and t.numel() * 4 > 1e6]
+    assert big == []
+    assert m.embed.format.name == "Q8_0" and m.blocks[7].ffn.gate.format.name == "Q4_1"
+
+
+@pytest.mark.parametrize("n", [1, 17, 300])
+def test_gguf_logits_are_the_float32_logits(bundled, bundled_gguf, n: int) -> None:
+    ids = _prompt_of(bundled, n)
+    with torch.no_grad():
+        error = (bundled_gguf.model(ids).logits - bundled.model(ids).logits).abs().max().item()
+    assert error <= 1e-3, error
+
+
+@pytest.fixture
+def quant_kernel(monkeypatch):
+    """The fused kernel's qmatmul where it can be built here (this build is an explicit
+    request), else the reference path, which de-quantises every matrix at each step."""
+    from attnkit.backends.fused import jit
+    from attnkit.quant import linear
+
+    if jit.prerequisites() is None:
+        try:
+            module = jit.build()
+        except jit.NotBuilt:
+            return None
+        if hasattr(module, "qmatmul"):
+            monkeypatch.setattr(linear, "_KERNEL", [module])
+            return module
+    return None
+
+
+def test_gguf_greedy_tokens_are_the_float32_tokens(bundled, bundled_gguf, quant_kernel) -> None:
+    # One left-padded batch: the three prompts share the steps.
+    prompts = ["Once upon a time", bundled.chat_prompt(FRANCE), "def fibonacci(n):"]
+    assert bundled_gguf.generate_ids(prompts, 16) == bundled.generate_ids(prompts, 16)

