@@ -115,11 +115,15 @@ def test_ragged_batches_equal_the_float64_reference(kernel, h, h_kv, s, dtype) -
 
 
 def test_the_plain_reference_and_a_scale(kernel) -> None:
-    """The serve reference itself (not only float64) agrees closely, with a given scale."""
+    """The serve reference itself (not only float64) agrees closely, with a given scale, and
+    int32 tables and lengths are read as int64 ones."""
     args = _problem([5, 120, 257], [5, 1, 64], 6, 2, 80, 16, torch.float32, seed=3)
     got = paged_attention(*args, scale=0.3)
     want = serve_paged.paged_attention(*args, scale=0.3)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    q, kp, vp, tables, lengths, qls = args
+    narrow = paged_attention(q, kp, vp, tables.int(), lengths.int(), qls, scale=0.3)
+    assert torch.equal(narrow, got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
