@@ -14,6 +14,10 @@ a prompt longer than the context, ``temperature`` outside 0..2, ``top_p`` outsid
 Each request's tokens come from the engine's thread as events, handed to the event loop with
 ``call_soon_threadsafe``. When the client goes away (a stream closed, a request dropped), its
 sequence is cancelled and its KV blocks return to the pool at the engine's next step.
+
+At start the application loads the compiled paged-attention kernel if a verified build is
+cached (``attnkit kernels build`` makes one; nothing is compiled here), and the engine's steps
+take it (``attnkit.serve.forward``); otherwise they take the reference and the log says why.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the handlers' annotations at runtime,
@@ -21,6 +25,7 @@ sequence is cancelled and its KV blocks return to the pool at the engine's next 
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import time
 import uuid
@@ -29,9 +34,12 @@ from typing import Any
 
 from attnkit.models.llama_generate import Sampling
 from attnkit.serve.engine import Engine, EngineStopped, Generation, QueueFull
+from attnkit.serve.forward import use_fused_kernel
 from attnkit.serve.text import TextStream
 
 __all__ = ["ApiError", "create_app", "metrics_text"]
+
+_log = logging.getLogger("attnkit")
 
 
 class ApiError(Exception):
@@ -67,6 +75,9 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
+        reason = await asyncio.to_thread(use_fused_kernel)  # the cached build only
+        if reason is not None:
+            _log.info("attnkit serve: paged attention takes the reference: %s", reason)
         if not engine.started:
             engine.start()
         yield

@@ -19,8 +19,12 @@ model whose projections are quantised runs unchanged::
                 x = x + ffn(ffn_norm(x))
     logits = output(norm(x[last token of each sequence]))
 
-``ATTENTION`` is the seam where a fused paged-attention kernel plugs in: any function with
-``paged_attention``'s signature.
+``ATTENTION`` is the seam where a paged-attention kernel plugs in: any function with
+``paged_attention``'s signature. While it is the reference, a step takes the compiled kernel
+(``attnkit.backends.fused.paged``) instead when this process has loaded it and it can serve the
+step (CPU, float32 queries, float32 or bfloat16 pool); asking costs no file read, and nothing is
+ever compiled on a step. ``use_fused_kernel`` loads it at a server's start: the cached build, or
+a build then when asked to (about a minute, once per machine).
 """
 
 from __future__ import annotations
@@ -33,13 +37,38 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit._numerics import compute_dtype
+from attnkit.backends.fused import jit
+from attnkit.backends.fused import paged as fused_paged
 from attnkit.models.llama import LlamaModel
 from attnkit.positional import RotaryEmbedding
 from attnkit.serve.paged import BlockPool, paged_attention, write_kv
 
-__all__ = ["ATTENTION", "PagedBatch", "paged_forward"]
+__all__ = ["ATTENTION", "PagedBatch", "paged_forward", "use_fused_kernel"]
 
 ATTENTION: Callable[..., Tensor] = paged_attention
+
+
+def use_fused_kernel(build: bool = False) -> str | None:
+    """Load the compiled paged kernel for the steps to come: the verified cached build, or with
+    ``build`` a build now if none is cached (an explicit request, at a server's start). Returns
+    why the steps will take the reference instead, in a sentence, or None."""
+    if build:
+        try:
+            jit.build()
+        except jit.NotBuilt as reason:
+            return str(reason)
+        return None
+    return None if jit.is_built() else jit.unavailable()
+
+
+def _attention_for(q: Tensor, pool: BlockPool) -> Callable[..., Tensor]:
+    """``ATTENTION``, or the compiled kernel where ``ATTENTION`` is the reference and the kernel
+    is loaded and can serve ``q`` over ``pool`` (checked once per step, reading no file)."""
+    if ATTENTION is not paged_attention:
+        return ATTENTION
+    if fused_paged.why_not(q, pool.keys[0], pool.values[0], loaded_only=True) is not None:
+        return ATTENTION
+    return fused_paged.paged_attention
 
 
 @dataclass(frozen=True)
@@ -101,7 +130,7 @@ def paged_forward(
 ) -> Tensor:
     """Logits ``(b, V)`` of each sequence's last new token (``(t, V)`` of every token with
     ``all_logits``); the new keys and values are written into ``pool`` on the way."""
-    attend = ATTENTION if attention is None else attention
+    attend = attention
     c = model.config
     t = batch.ids.shape[0]
     e, h, h_kv, d = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
@@ -117,6 +146,8 @@ def paged_forward(
         q = RotaryEmbedding.apply(q.view(t, h, d), cos, sin)  # (t, h, d)
         k = RotaryEmbedding.apply(k.view(t, h_kv, d), cos, sin)  # (t, h_kv, d)
         write_kv(pool.keys[layer], pool.values[layer], batch.slots, k, v.view(t, h_kv, d))
+        if attend is None:
+            attend = _attention_for(q, pool)
         out = attend(
             q,
             pool.keys[layer],

@@ -10,6 +10,8 @@ float32; softmax statistics are float32 (float64 for float64 inputs). One file p
     fused.h       the problem (Spec), the tile matmul, one row of a tile's logits
     forward.cpp   the forward loop          backward.cpp   the recomputing backward
     decode.cpp    one decoding step over a KV cache (flash-decoding; ``decode.py`` wraps it)
+    paged.cpp     a server's ragged step over a paged KV cache, read through block tables
+                  (``paged.py`` wraps it; ``attnkit.serve`` takes it once it is loaded)
     module.cpp    the Python bindings
     jit.py        the build when asked (or in the background for auto), cached and verified
     plan.py       masks and biases as the kernel evaluates them (band, layout, relative, dense)

@@ -66,7 +66,15 @@ __all__ = [
 
 HERE = Path(__file__).resolve().parent
 _log = logging.getLogger("attnkit")
-SOURCES = ("fused.h", "forward.cpp", "backward.cpp", "quant.cpp", "decode.cpp", "module.cpp")
+SOURCES = (
+    "fused.h",
+    "forward.cpp",
+    "backward.cpp",
+    "quant.cpp",
+    "decode.cpp",
+    "paged.cpp",
+    "module.cpp",
+)
 BUILD_WAIT = 900.0  # seconds an explicit build waits for another process building the same key
 RECORD = "build.json"
 

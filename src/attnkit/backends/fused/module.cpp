@@ -37,10 +37,11 @@ bool bfloat16_packed_ok() {
   return true;
 }
 
-// The quantised matrix products (quant.cpp) and the decode attention step (decode.cpp) bind
-// their own functions.
+// The quantised matrix products (quant.cpp), the decode attention step (decode.cpp) and the
+// paged attention (paged.cpp) bind their own functions.
 void bind_quant(pybind11::module_& m);
 void bind_decode(pybind11::module_& m);
+void bind_paged(pybind11::module_& m);
 
 }  // namespace attnkit_fused
 
@@ -60,4 +61,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether bfloat16 tiles can use the packed matmul on this CPU");
   attnkit_fused::bind_quant(m);
   attnkit_fused::bind_decode(m);
+  attnkit_fused::bind_paged(m);
 }
