@@ -112,15 +112,20 @@ def flex_rows(table: Table) -> list[dict]:
 
 
 def generate_rows(table: Table) -> list[dict]:
+    """The rows of a generate speed table; the libraries are read from its columns, the thread
+    count from its ``threads`` column (2 in tables recorded before it had one)."""
+    head = "prefill tok/s "
+    libraries = [k.removeprefix(head) for k in table[0] if k.startswith(head)]
     return [
         {
             "n": int(number(cell["prompt tokens"]) or 0),
+            "threads": int(number(cell.get("threads", "2")) or 2),
             "library": library,
             "prefill_tok_s": number(cell[f"prefill tok/s {library}"]),
             "decode_tok_s": number(cell[f"decode tok/s {library}"]),
         }
         for cell in table
-        for library in ("attnkit", "transformers")
+        for library in libraries
     ]
 
 
@@ -166,7 +171,7 @@ def draw_all(
         made.append(flex_bench.chart(flex, dtype, out))
     generate = _section_tables("generate", doc, "prompt tokens")
     if generate:
-        made.append(generate_bench.chart(generate_rows(generate[0]), out))
+        made.append(generate_bench.chart([r for t in generate for r in generate_rows(t)], out))
     hf = _section_tables("hf_models", doc, "model", "attnkit (s)")
     if hf:
         made.append(hf_bench.chart(hf_rows(hf[0]), out))
