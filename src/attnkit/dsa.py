@@ -31,7 +31,6 @@ the indexer by a separate KL objective), so it runs without autograd.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit._numerics import blocked, compute_dtype
@@ -147,8 +146,8 @@ class LightningIndexer(nn.Module):
     def scores(self, q: Tensor, w: Tensor, k: Tensor) -> Tensor:
         """``I (b, i, j) = sum_H w[b, i, H] ReLU(q[b, H, i] . k[b, j] / sqrt(D))``."""
         work = compute_dtype(q.dtype)
-        s = F.relu(q.to(work) @ k.to(work)[:, None].transpose(-1, -2) * self.head_dim**-0.5)
-        return torch.einsum("bhij,bih->bij", s, w.to(work))  # (b, i, j)
+        q = (q.to(work) * self.head_dim**-0.5).transpose(1, 2)  # (b, i, H, D)
+        return _index_scores(q, w.to(work), k.to(work).transpose(-1, -2))
 
     @torch.no_grad()
     def select(
@@ -159,24 +158,32 @@ class LightningIndexer(nn.Module):
         ``x (b, i, e)`` and ``c_q (b, i, d_q)`` are the new tokens, ``keys (b, j, D)`` every key
         (cached ones first). ``t = min(top_k, j)``; ``valid`` is False where a row had fewer
         visible keys than ``t`` (early rows under ``is_causal``, aligned bottom-right). Scores
-        are computed ``block`` rows at a time, so memory is ``O(block * j)``.
+        are computed ``block`` rows at a time, so memory is ``O(block * j)``; under
+        ``is_causal`` a tile stops at its last row's last visible key (at least ``t`` keys),
+        so the work is about half of ``i * j``.
         """
         b, i, _ = x.shape
         j = keys.shape[1]
-        offset = j - i
-        q = self.queries(c_q, offset)  # (b, H, i, D)
-        w = self.head_weights(x)  # (b, i, H)
+        offset = causal_offset(i, j)
+        work = compute_dtype(c_q.dtype)
+        q = self.queries(c_q, offset).to(work) * self.head_dim**-0.5  # (b, H, i, D)
+        q = q.transpose(1, 2)  # (b, i, H, D)
+        w = self.head_weights(x).to(work)  # (b, i, H)
+        k = keys.to(work).contiguous()  # (b, j, D)
         t = min(self.top_k, j)
         indices = torch.empty(b, i, t, dtype=torch.long, device=x.device)
         valid = torch.ones(b, i, t, dtype=torch.bool, device=x.device)
         key_pos = torch.arange(j, device=x.device)
         for r0 in range(0, i, block):
             r1 = min(i, r0 + block)
-            s = self.scores(q[:, :, r0:r1], w[:, r0:r1], keys)  # (b, rows, j)
-            if is_causal:
-                rows = torch.arange(r0, r1, device=x.device)[:, None] + causal_offset(i, j)
-                visible = key_pos[None, :] <= rows  # (rows, j)
-                s = s.masked_fill(~visible, blocked(s.dtype))
+            # causal: keys past the tile's last row are never visible; keep >= t columns
+            end = min(j, max(t, r1 + offset)) if is_causal else j
+            s = _index_scores(q[:, r0:r1], w[:, r0:r1], k[:, :end].transpose(-1, -2))
+            if is_causal:  # s: (b, rows, end); only keys past the first row can be hidden
+                rows = torch.arange(r0, r1, device=x.device)[:, None] + offset
+                lo = min(end, r0 + offset + 1)
+                hidden = key_pos[None, lo:end] > rows  # (rows, end - lo)
+                s[..., lo:end].masked_fill_(hidden, blocked(s.dtype))
                 idx = s.topk(t, dim=-1).indices  # (b, rows, t)
                 valid[:, r0:r1] = idx <= rows[None]
             else:
@@ -185,37 +192,61 @@ class LightningIndexer(nn.Module):
         return indices, valid
 
 
+def _index_scores(q: Tensor, w: Tensor, k_t: Tensor) -> Tensor:
+    """``(b, rows, j)`` indexer scores from pre-scaled ``q (b, rows, H, D)``, ``w (b, rows, H)``
+    and ``k_t (b, D, j)``: the per-head products as one GEMM over ``rows H`` query rows, ReLU
+    in place, and the head mix as a batched ``(1, H) @ (H, j)`` per row, so the only
+    ``(b, rows, H, j)`` temporary is the first."""
+    b, rows, heads, _ = q.shape
+    s = torch.relu_(q.reshape(b, rows * heads, -1) @ k_t)  # (b, rows H, j): one GEMM
+    return (w[:, :, None] @ s.view(b, rows, heads, -1))[:, :, 0]  # (b, rows, j)
+
+
 class _GatherAttention(torch.autograd.Function):
-    """Forward and recomputing backward of ``gather_attention`` (see there)."""
+    """Forward and recomputing backward of ``gather_attention`` (see there).
+
+    Inside, queries are laid out ``(b, i, h, d)`` and pre-scaled once, so a block's scores are
+    one batched matmul per query row against its ``t`` gathered keys, shared by all ``h`` heads.
+    The softmax runs in place on the score block (max, subtract, exp, sum), and invalid indices
+    are blocked only in blocks that have any (the first ``t`` causal rows). The backward
+    recomputes ``p`` from the saved log-sum-exp and takes ``delta = rowsum(dO * O)`` for all
+    rows at once (FlashAttention-2's backward), so per block it runs five matmuls, two in-place
+    passes, and one sparse segment sum for the key gradients.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, indices, valid, scale, block):  # type: ignore[no-untyped-def,override]
         b, h, i, _ = q.shape
         j, dv = k.shape[1], v.shape[-1]
         work = compute_dtype(q.dtype)
-        out = q.new_empty(b, h, i, dv)
-        lse = torch.empty(b, h, i, dtype=work, device=q.device)
+        qs = (q.transpose(1, 2).to(work) * scale).contiguous()  # (b, i, h, d), pre-scaled
+        out = torch.empty(b, i, h, dv, dtype=work, device=q.device)
+        lse = torch.empty(b, i, h, 1, dtype=work, device=q.device)
         tables = _tables(k, v)
         for r0 in range(0, i, block):
             r1 = min(i, r0 + block)
             kg, vg = _gather(*tables, dv, indices[:, r0:r1], j, work)  # (b, rows, t, d | dv)
-            s = _scores(q[:, :, r0:r1].to(work), kg, valid[:, r0:r1], scale)  # (b, rows, h, t)
-            m = torch.logsumexp(s, dim=-1, keepdim=True)  # (b, rows, h, 1)
-            p = torch.exp(s - m) * valid[:, r0:r1, None]
-            out[:, :, r0:r1] = (p @ vg).transpose(1, 2).to(out.dtype)  # (b, h, rows, dv)
-            lse[:, :, r0:r1] = m[..., 0].transpose(1, 2)
-        ctx.save_for_backward(q, k, v, indices, valid, out, lse)
-        ctx.scale, ctx.block = scale, block
-        return out
+            p = _scores(qs[:, r0:r1], kg, valid[:, r0:r1])  # (b, rows, h, t)
+            m = p.amax(-1, keepdim=True)  # (b, rows, h, 1)
+            p.sub_(m).exp_()
+            total = p.sum(-1, keepdim=True)
+            torch.matmul(p, vg, out=out[:, r0:r1])  # (b, rows, h, dv), unnormalised
+            out[:, r0:r1].div_(total)
+            lse[:, r0:r1] = m + total.log()
+        ctx.save_for_backward(qs, k, v, indices, valid, out, lse)
+        ctx.scale, ctx.block, ctx.q_dtype = scale, block, q.dtype
+        return out.transpose(1, 2).to(q.dtype)  # (b, h, i, dv)
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[no-untyped-def,override]
-        q, k, v, indices, valid, out, lse = ctx.saved_tensors
+        qs, k, v, indices, valid, out, lse = ctx.saved_tensors
         scale, block = ctx.scale, ctx.block
-        b, _, i, _ = q.shape
+        b, i, _, _ = qs.shape
         j, dv_width = k.shape[1], v.shape[-1]
         work = lse.dtype
-        dq = torch.empty(q.shape, dtype=work, device=q.device)
+        do_all = d_out.transpose(1, 2).to(work).contiguous()  # (b, i, h, dv)
+        delta = (do_all * out).sum(-1, keepdim=True)  # (b, i, h, 1): rowsum(dO * O)
+        dq = torch.empty_like(qs)  # (b, i, h, d)
         dk = torch.zeros(b * j, k.shape[-1], dtype=work, device=k.device)
         tables = _tables(k, v)
         shared = tables[1] is None  # values are the keys' first channels: one gradient table
@@ -225,16 +256,12 @@ class _GatherAttention(torch.autograd.Function):
             r1 = min(i, r0 + block)
             idx = indices[:, r0:r1]
             kg, vg = _gather(*tables, dv_width, idx, j, work)
-            qt = q[:, :, r0:r1].to(work).transpose(1, 2)  # (b, rows, h, d)
-            s = _scores(q[:, :, r0:r1].to(work), kg, valid[:, r0:r1], scale)
-            p = torch.exp(s - lse[:, :, r0:r1].transpose(1, 2)[..., None])  # (b, rows, h, t)
-            p = p * valid[:, r0:r1, None]
-            do = d_out[:, :, r0:r1].to(work).transpose(1, 2)  # (b, rows, h, dv)
-            o = out[:, :, r0:r1].to(work).transpose(1, 2)
-            dp = do @ vg.transpose(-1, -2)  # (b, rows, h, t)
-            ds = p * (dp - (do * o).sum(-1, keepdim=True))  # softmax backward
-            dq[:, :, r0:r1] = (ds @ kg).transpose(1, 2) * scale
-            dk_g = ds.transpose(-1, -2) @ qt * scale  # (b, rows, t, d): per gathered key
+            qt = qs[:, r0:r1]  # (b, rows, h, d)
+            p = _scores(qt, kg, valid[:, r0:r1]).sub_(lse[:, r0:r1]).exp_()  # (b, rows, h, t)
+            do = do_all[:, r0:r1]  # (b, rows, h, dv)
+            ds = (do @ vg.transpose(-1, -2)).sub_(delta[:, r0:r1]).mul_(p)  # softmax backward
+            torch.matmul(ds, kg, out=dq[:, r0:r1])  # d(qs); times scale below
+            dk_g = ds.transpose(-1, -2) @ qt  # (b, rows, t, d): per gathered key (qs has scale)
             dv_g = p.transpose(-1, -2) @ do  # (b, rows, t, dv)
             scatter = _scatter_matrix((idx + base).flatten(), b * j, work)
             if shared:
@@ -243,9 +270,10 @@ class _GatherAttention(torch.autograd.Function):
                 assert dv is not None
                 dv += torch.sparse.mm(scatter, dv_g.flatten(0, 2))
             dk += torch.sparse.mm(scatter, dk_g.flatten(0, 2))  # sums rows that share a key
+        dq = dq.mul_(scale).transpose(1, 2).to(ctx.q_dtype)  # (b, h, i, d)
         dk = dk.view(b, j, -1).to(k.dtype)
         dv = None if dv is None else dv.view(b, j, -1).to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def _scatter_matrix(rows: Tensor, size: int, dtype: torch.dtype) -> Tensor:
@@ -280,11 +308,13 @@ def _gather(
     return kg, v_table[flat].view(*idx.shape, -1).to(work)
 
 
-def _scores(q: Tensor, kg: Tensor, valid: Tensor, scale: float) -> Tensor:
-    """Scaled scores ``(b, rows, h, t)`` of ``q (b, h, rows, d)`` on gathered keys, blocked where
-    not valid."""
-    s = q.transpose(1, 2) @ kg.transpose(-1, -2) * scale  # (b, rows, h, t)
-    return s.masked_fill(~valid[:, :, None], blocked(s.dtype))
+def _scores(qs: Tensor, kg: Tensor, valid: Tensor) -> Tensor:
+    """Scores ``(b, rows, h, t)`` of pre-scaled ``qs (b, rows, h, d)`` on gathered keys
+    ``kg (b, rows, t, d)``, blocked (in place) where not valid."""
+    s = qs @ kg.transpose(-1, -2)  # (b, rows, h, t)
+    if not bool(valid.all()):
+        s.masked_fill_(~valid[:, :, None], blocked(s.dtype))
+    return s
 
 
 def gather_attention(
