@@ -268,8 +268,9 @@ class _GatherAttention(torch.autograd.Function):
                 dk_g[..., :dv_width] += dv_g
             else:
                 assert dv is not None
-                dv += torch.sparse.mm(scatter, dv_g.flatten(0, 2))
-            dk += torch.sparse.mm(scatter, dk_g.flatten(0, 2))  # sums rows that share a key
+                torch.addmm(dv, scatter, dv_g.flatten(0, 2), out=dv)
+            # dk += scatter @ dk_g, accumulated in place: sums the rows that share a key
+            torch.addmm(dk, scatter, dk_g.flatten(0, 2), out=dk)
         dq = dq.mul_(scale).transpose(1, 2).to(ctx.q_dtype)  # (b, h, i, d)
         dk = dk.view(b, j, -1).to(k.dtype)
         dv = None if dv is None else dv.view(b, j, -1).to(v.dtype)
@@ -279,7 +280,9 @@ class _GatherAttention(torch.autograd.Function):
 def _scatter_matrix(rows: Tensor, size: int, dtype: torch.dtype) -> Tensor:
     """The sparse ``(size, N)`` matrix with a one at ``(rows[n], n)``: times an ``(N, d)``
     tensor it sums the rows that point at the same key (a segment sum that, on CPU, runs far
-    faster than ``index_add_`` when many rows share a target)."""
+    faster than ``index_add_`` when many rows share a target). Used through
+    ``torch.addmm(acc, scatter, rows, out=acc)``, which adds into ``acc`` without building a
+    dense ``(size, d)`` product first (several times faster than ``acc += sparse.mm(..)``)."""
     n = rows.numel()
     at = torch.stack([rows, torch.arange(n, device=rows.device)])
     ones = torch.ones(n, dtype=dtype, device=rows.device)
