@@ -31,6 +31,7 @@ the indexer by a separate KL objective), so it runs without autograd.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit._numerics import blocked, compute_dtype
@@ -252,21 +253,30 @@ class _GatherAttention(torch.autograd.Function):
         shared = tables[1] is None  # values are the keys' first channels: one gradient table
         dv = None if shared else torch.zeros(b * j, dv_width, dtype=work, device=v.device)
         base = (torch.arange(b, device=k.device) * j).view(b, 1, 1)
+        h, d = qs.shape[2], qs.shape[3]
+        if shared:  # dO padded to the keys' width: dP = dO_pad K^T, as S = Q K^T
+            do_pad = F.pad(do_all, (0, d - dv_width))  # (b, i, h, d)
         for r0 in range(0, i, block):
             r1 = min(i, r0 + block)
             idx = indices[:, r0:r1]
             kg, vg = _gather(*tables, dv_width, idx, j, work)
-            qt = qs[:, r0:r1]  # (b, rows, h, d)
-            p = _scores(qt, kg, valid[:, r0:r1]).sub_(lse[:, r0:r1]).exp_()  # (b, rows, h, t)
-            do = do_all[:, r0:r1]  # (b, rows, h, dv)
-            ds = (do @ vg.transpose(-1, -2)).sub_(delta[:, r0:r1]).mul_(p)  # softmax backward
-            torch.matmul(ds, kg, out=dq[:, r0:r1])  # d(qs); times scale below
-            dk_g = ds.transpose(-1, -2) @ qt  # (b, rows, t, d): per gathered key (qs has scale)
-            dv_g = p.transpose(-1, -2) @ do  # (b, rows, t, dv)
+            qt, do = qs[:, r0:r1], do_all[:, r0:r1]  # (b, rows, h, d), (b, rows, h, dv)
             scatter = _scatter_matrix((idx + base).flatten(), b * j, work)
             if shared:
-                dk_g[..., :dv_width] += dv_g
+                # One matmul of 2h rows gives [S; dP] against the gathered keys, in place
+                # [P; dS]; then [P; dS]^T [dO_pad; Q] = P^T dO + dS^T Q, the key and value
+                # gradients of each gathered row summed in the same matmul.
+                sd = torch.cat([qt, do_pad[:, r0:r1]], dim=2) @ kg.transpose(-1, -2)
+                p = _mask_invalid(sd[:, :, :h], valid[:, r0:r1]).sub_(lse[:, r0:r1]).exp_()
+                ds = sd[:, :, h:].sub_(delta[:, r0:r1]).mul_(p)  # (b, rows, h, t)
+                torch.matmul(ds, kg, out=dq[:, r0:r1])  # d(qs); times scale below
+                dk_g = sd.transpose(-1, -2) @ torch.cat([do_pad[:, r0:r1], qt], dim=2)
             else:
+                p = _scores(qt, kg, valid[:, r0:r1]).sub_(lse[:, r0:r1]).exp_()
+                ds = (do @ vg.transpose(-1, -2)).sub_(delta[:, r0:r1]).mul_(p)  # softmax bwd
+                torch.matmul(ds, kg, out=dq[:, r0:r1])  # d(qs); times scale below
+                dk_g = ds.transpose(-1, -2) @ qt  # (b, rows, t, d): per gathered key
+                dv_g = p.transpose(-1, -2) @ do  # (b, rows, t, dv)
                 assert dv is not None
                 torch.addmm(dv, scatter, dv_g.flatten(0, 2), out=dv)
             # dk += scatter @ dk_g, accumulated in place: sums the rows that share a key
@@ -314,7 +324,12 @@ def _gather(
 def _scores(qs: Tensor, kg: Tensor, valid: Tensor) -> Tensor:
     """Scores ``(b, rows, h, t)`` of pre-scaled ``qs (b, rows, h, d)`` on gathered keys
     ``kg (b, rows, t, d)``, blocked (in place) where not valid."""
-    s = qs @ kg.transpose(-1, -2)  # (b, rows, h, t)
+    return _mask_invalid(qs @ kg.transpose(-1, -2), valid)  # (b, rows, h, t)
+
+
+def _mask_invalid(s: Tensor, valid: Tensor) -> Tensor:
+    """``s (b, rows, h, t)`` with the scores of invalid indices ``valid (b, rows, t)`` blocked, in
+    place; untouched (no pass over it) when every index of the block is valid."""
     if not bool(valid.all()):
         s.masked_fill_(~valid[:, :, None], blocked(s.dtype))
     return s
