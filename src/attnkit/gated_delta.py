@@ -36,6 +36,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from attnkit._numerics import compute_dtype
 
@@ -133,11 +134,11 @@ def gated_delta_rule(
     work = compute_dtype(torch.promote_types(q.dtype, v.dtype))
     q, k, v, g, beta = (t.to(work) for t in (q, k, v, g, beta))
     h, h_v = k.shape[1], v.shape[1]
+    if use_qk_l2norm:  # per row, so before the repeat: autograd keeps h heads, not h_v
+        q, k = l2norm(q), l2norm(k)
     if h_v != h:  # grouped value heads: repeat each q/k head over its value heads
         q = q.repeat_interleave(h_v // h, dim=1)  # (b, h_v, n, d_k)
         k = k.repeat_interleave(h_v // h, dim=1)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
     q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
     state = None if initial_state is None else initial_state.to(work)
     if method == "recurrent":
@@ -196,6 +197,31 @@ def _chunked(
     m = (n + pad) // c
     q, k, v = (t.reshape(b, h_v, m, c, t.shape[-1]) for t in (q, k, v))  # (b, h_v, m, c, d)
     g, beta = g.reshape(b, h_v, m, c), beta.reshape(b, h_v, m, c)
+    inputs = (q, k, v, g, beta)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        # The per-chunk factors are cheap next to the scan and the output matmuls but many
+        # (A, T, the decays, k beta, v beta, ...): autograd would keep all of them, several
+        # times the inputs' size. Recomputing them in backward keeps only the inputs.
+        factors = checkpoint(_chunk_factors, *inputs, use_reentrant=False)
+    else:
+        factors = _chunk_factors(*inputs)
+    U, W, inner, q_decayed, k_decayed, chunk_decay = factors
+
+    # Only this scan is sequential: the state entering each chunk.
+    if state is None:
+        state = v.new_zeros(b, h_v, d_k, d_v)
+    S0, V_new, state = _ChunkScan.apply(U, W, k_decayed, chunk_decay, state)
+    out = q_decayed @ S0 + inner @ V_new  # (b, h_v, m, c, d_v)
+    out = out.reshape(b, h_v, m * c, d_v)[:, :, :n]  # (b, h_v, n, d_v)
+    return out, state
+
+
+def _chunk_factors(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Everything of ``_chunked`` that is independent across chunks, batched over all of them:
+    ``(U, W, inner, q exp(G), k exp(G_c - G), exp(G_c))`` from ``(b, h_v, m, c, .)`` inputs."""
+    c = q.shape[-2]
     G = g.cumsum(-1)  # (b, h_v, m, c)
     lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()  # s <= r
     # exp(G_r - G_s) for s <= r; above the diagonal the difference is zeroed *before* exp so
@@ -211,14 +237,7 @@ def _chunked(
     q_decayed = q * G.exp()[..., None]  # reads S_0 through the decay so far
     k_decayed = k * (G[..., -1:] - G).exp()[..., None]  # writes decayed to the chunk's end
     chunk_decay = G[..., -1].exp()[..., None, None]  # (b, h_v, m, 1, 1)
-
-    # Only this scan is sequential: the state entering each chunk.
-    if state is None:
-        state = v.new_zeros(b, h_v, d_k, d_v)
-    S0, V_new, state = _ChunkScan.apply(U, W, k_decayed, chunk_decay, state)
-    out = q_decayed @ S0 + inner @ V_new  # (b, h_v, m, c, d_v)
-    out = out.reshape(b, h_v, m * c, d_v)[:, :, :n]  # (b, h_v, n, d_v)
-    return out, state
+    return U, W, inner, q_decayed, k_decayed, chunk_decay
 
 
 class _UnitLowerInverse(torch.autograd.Function):
