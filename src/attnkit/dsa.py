@@ -224,9 +224,10 @@ class _GatherAttention(torch.autograd.Function):
         out = torch.empty(b, i, h, dv, dtype=work, device=q.device)
         lse = torch.empty(b, i, h, 1, dtype=work, device=q.device)
         tables = _tables(k, v)
+        buffers: dict[str, Tensor] = {}  # gather scratch, reused by every block
         for r0 in range(0, i, block):
             r1 = min(i, r0 + block)
-            kg, vg = _gather(*tables, dv, indices[:, r0:r1], j, work)  # (b, rows, t, d | dv)
+            kg, vg = _gather(*tables, dv, indices[:, r0:r1], j, work, buffers)  # (b, rows, t, .)
             p = _scores(qs[:, r0:r1], kg, valid[:, r0:r1])  # (b, rows, h, t)
             m = p.amax(-1, keepdim=True)  # (b, rows, h, 1)
             p.sub_(m).exp_()
@@ -253,13 +254,14 @@ class _GatherAttention(torch.autograd.Function):
         shared = tables[1] is None  # values are the keys' first channels: one gradient table
         dv = None if shared else torch.zeros(b * j, dv_width, dtype=work, device=v.device)
         base = (torch.arange(b, device=k.device) * j).view(b, 1, 1)
+        buffers: dict[str, Tensor] = {}  # gather and key-gradient scratch, reused by every block
         h, d = qs.shape[2], qs.shape[3]
         if shared:  # dO padded to the keys' width: dP = dO_pad K^T, as S = Q K^T
             do_pad = F.pad(do_all, (0, d - dv_width))  # (b, i, h, d)
         for r0 in range(0, i, block):
             r1 = min(i, r0 + block)
             idx = indices[:, r0:r1]
-            kg, vg = _gather(*tables, dv_width, idx, j, work)
+            kg, vg = _gather(*tables, dv_width, idx, j, work, buffers)
             qt, do = qs[:, r0:r1], do_all[:, r0:r1]  # (b, rows, h, d), (b, rows, h, dv)
             scatter = _scatter_matrix((idx + base).flatten(), b * j, work)
             if shared:
@@ -270,7 +272,11 @@ class _GatherAttention(torch.autograd.Function):
                 p = _mask_invalid(sd[:, :, :h], valid[:, r0:r1]).sub_(lse[:, r0:r1]).exp_()
                 ds = sd[:, :, h:].sub_(delta[:, r0:r1]).mul_(p)  # (b, rows, h, t)
                 torch.matmul(ds, kg, out=dq[:, r0:r1])  # d(qs); times scale below
-                dk_g = sd.transpose(-1, -2) @ torch.cat([do_pad[:, r0:r1], qt], dim=2)
+                dk_g = _buffer(buffers, "dk", kg.shape[:-1].numel(), d, work, k.device)
+                dk_g = dk_g.view(kg.shape)  # (b, rows, t, d)
+                torch.matmul(
+                    sd.transpose(-1, -2), torch.cat([do_pad[:, r0:r1], qt], dim=2), out=dk_g
+                )
             else:
                 p = _scores(qt, kg, valid[:, r0:r1]).sub_(lse[:, r0:r1]).exp_()
                 ds = (do @ vg.transpose(-1, -2)).sub_(delta[:, r0:r1]).mul_(p)  # softmax bwd
@@ -310,15 +316,44 @@ def _tables(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
 
 
 def _gather(
-    k_table: Tensor, v_table: Tensor | None, dv: int, idx: Tensor, j: int, work: torch.dtype
+    k_table: Tensor,
+    v_table: Tensor | None,
+    dv: int,
+    idx: Tensor,
+    j: int,
+    work: torch.dtype,
+    buffers: dict[str, Tensor],
 ) -> tuple[Tensor, Tensor]:
     """The keys and values ``idx (b, rows, t)`` points at: ``(b, rows, t, d)``, ``(.., dv)``."""
     b = idx.shape[0]
     flat = (idx + (torch.arange(b, device=idx.device) * j).view(b, 1, 1)).flatten()
-    kg = k_table[flat].view(*idx.shape, -1).to(work)
+    kg = _take(k_table, flat, work, buffers, "k").view(*idx.shape, -1)
     if v_table is None:
         return kg, kg[..., :dv]
-    return kg, v_table[flat].view(*idx.shape, -1).to(work)
+    return kg, _take(v_table, flat, work, buffers, "v").view(*idx.shape, -1)
+
+
+def _take(
+    table: Tensor, rows: Tensor, work: torch.dtype, buffers: dict[str, Tensor], name: str
+) -> Tensor:
+    """``table[rows]`` in ``work``, written into a buffer kept across blocks: a fresh tensor of
+    tens of MB per block costs more in page faults than the copy itself (on CPU, several times
+    the time of ``index_select(..., out=)`` into memory already touched)."""
+    raw = _buffer(buffers, name, rows.numel(), table.shape[1], table.dtype, table.device)
+    torch.index_select(table, 0, rows, out=raw)
+    if table.dtype == work:
+        return raw
+    return _buffer(buffers, name + "_work", *raw.shape, work, table.device).copy_(raw)
+
+
+def _buffer(
+    buffers: dict[str, Tensor], name: str, n: int, d: int, dtype: torch.dtype, device
+) -> Tensor:
+    """The first ``n`` rows of the ``(>= n, d)`` scratch tensor ``buffers[name]`` (made once)."""
+    buf = buffers.get(name)
+    if buf is None or buf.shape[0] < n:
+        buf = buffers[name] = torch.empty(n, d, dtype=dtype, device=device)
+    return buf[:n]
 
 
 def _scores(qs: Tensor, kg: Tensor, valid: Tensor) -> Tensor:
