@@ -175,11 +175,12 @@ class LightningIndexer(nn.Module):
         indices = torch.empty(b, i, t, dtype=torch.long, device=x.device)
         valid = torch.ones(b, i, t, dtype=torch.bool, device=x.device)
         key_pos = torch.arange(j, device=x.device)
+        scratch = torch.empty(b * min(block, i) * self.num_heads * j, dtype=work, device=x.device)
         for r0 in range(0, i, block):
             r1 = min(i, r0 + block)
             # causal: keys past the tile's last row are never visible; keep >= t columns
             end = min(j, max(t, r1 + offset)) if is_causal else j
-            s = _index_scores(q[:, r0:r1], w[:, r0:r1], k[:, :end].transpose(-1, -2))
+            s = _index_scores(q[:, r0:r1], w[:, r0:r1], k[:, :end].transpose(-1, -2), scratch)
             if is_causal:  # s: (b, rows, end); only keys past the first row can be hidden
                 rows = torch.arange(r0, r1, device=x.device)[:, None] + offset
                 lo = min(end, r0 + offset + 1)
@@ -193,13 +194,16 @@ class LightningIndexer(nn.Module):
         return indices, valid
 
 
-def _index_scores(q: Tensor, w: Tensor, k_t: Tensor) -> Tensor:
+def _index_scores(q: Tensor, w: Tensor, k_t: Tensor, scratch: Tensor | None = None) -> Tensor:
     """``(b, rows, j)`` indexer scores from pre-scaled ``q (b, rows, H, D)``, ``w (b, rows, H)``
     and ``k_t (b, D, j)``: the per-head products as one GEMM over ``rows H`` query rows, ReLU
     in place, and the head mix as a batched ``(1, H) @ (H, j)`` per row, so the only
-    ``(b, rows, H, j)`` temporary is the first."""
+    ``(b, rows, H, j)`` temporary is the first, written into ``scratch`` (flat, reused across
+    tiles: a fresh one per tile costs page faults) when given."""
     b, rows, heads, _ = q.shape
-    s = torch.relu_(q.reshape(b, rows * heads, -1) @ k_t)  # (b, rows H, j): one GEMM
+    j = k_t.shape[-1]
+    s = None if scratch is None else scratch[: b * rows * heads * j].view(b, rows * heads, j)
+    s = torch.relu_(torch.matmul(q.reshape(b, rows * heads, -1), k_t, out=s))  # one GEMM
     return (w[:, :, None] @ s.view(b, rows, heads, -1))[:, :, 0]  # (b, rows, j)
 
 
