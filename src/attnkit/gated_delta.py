@@ -21,7 +21,9 @@ chunk of ``c`` positions the product of the ``(I - beta k k^T)`` factors is writ
 form (Bischof & Van Loan 1987), whose coefficients come from one unit lower-triangular solve,
 the UT transform (Joffrain et al. 2006; section 3.3 of the paper, and DeltaNet's section 3 by
 Yang et al. 2024b, arXiv:2406.06484). Only the ``m = n / c`` chunk states are visited in
-sequence; all the rest is batched over chunks. Backward is autograd through the chunked form.
+sequence; all the rest is batched over chunks. Backward is autograd through the chunked form,
+except the scan, whose backward is written out, and the per-chunk factors, which are recomputed
+rather than kept (``torch.utils.checkpoint``), so training holds about the inputs' size.
 
 ``GatedDeltaNet`` is the layer around the rule as Qwen3-Next builds it (and Qwen3.5 and Kimi
 Linear after it): projections to q, k, v, a short causal depthwise convolution with SiLU over
