@@ -23,7 +23,8 @@ the UT transform (Joffrain et al. 2006; section 3.3 of the paper, and DeltaNet's
 Yang et al. 2024b, arXiv:2406.06484). Only the ``m = n / c`` chunk states are visited in
 sequence; all the rest is batched over chunks. Backward is autograd through the chunked form,
 except the scan, whose backward is written out, and the per-chunk factors, which are recomputed
-rather than kept (``torch.utils.checkpoint``), so training holds about the inputs' size.
+rather than kept (``torch.utils.checkpoint``): recomputing them is cheap next to the scan,
+keeping them costs several times the inputs' size.
 
 ``GatedDeltaNet`` is the layer around the rule as Qwen3-Next builds it (and Qwen3.5 and Kimi
 Linear after it): projections to q, k, v, a short causal depthwise convolution with SiLU over
