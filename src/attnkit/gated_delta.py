@@ -231,11 +231,13 @@ def _chunk_factors(
     # it cannot overflow, then the entry itself is zeroed.
     diff = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, 0.0)
     decay = diff.exp().masked_fill(~lower, 0.0)  # (b, h_v, m, c, c)
-    k_beta = k * beta[..., None]  # (b, h_v, m, c, d_k)
-    A = (k_beta @ k.transpose(-1, -2)) * decay  # (b, h_v, m, c, c); diagonal ignored below
-    T = _UnitLowerInverse.apply(A.tril(-1))  # (b, h_v, m, c, c): (I + A)^-1
-    U = T @ (v * beta[..., None])  # (b, h_v, m, c, d_v)
-    W = T @ (k_beta * G.exp()[..., None])  # (b, h_v, m, c, d_k)
+    # beta and exp(G) scale rows of k and v in the formulas; they are applied to the (c, c)
+    # factors instead (beta_r on A's rows, beta_s and exp(G_s) on T's columns), which is the
+    # same product with no elementwise pass over a (c, d) tensor.
+    A = (k @ k.transpose(-1, -2)) * (decay * beta[..., :, None])  # (b, h_v, m, c, c)
+    T = _UnitLowerInverse.apply(A.tril(-1))  # (b, h_v, m, c, c): (I + A)^-1; diagonal ignored
+    U = (T * beta[..., None, :]) @ v  # T (beta v): (b, h_v, m, c, d_v)
+    W = (T * (beta * G.exp())[..., None, :]) @ k  # T (beta exp(G) k): (b, h_v, m, c, d_k)
     inner = (q @ k.transpose(-1, -2)) * decay  # (b, h_v, m, c, c): attention inside a chunk
     q_decayed = q * G.exp()[..., None]  # reads S_0 through the decay so far
     k_decayed = k * (G[..., -1:] - G).exp()[..., None]  # writes decayed to the chunk's end
@@ -314,7 +316,8 @@ class _ChunkScan(torch.autograd.Function):
             dS = torch.baddbmm(dS * D_[i] + dS0_[i], W_[i].transpose(-1, -2), dV[i], alpha=-1)
         dW = -(dV @ S0.transpose(-1, -2))  # (m, b h_v, c, d_k)
         dK = V_new @ dS_next.transpose(-1, -2)  # (m, b h_v, c, d_k)
-        dD = (S0 * dS_next).sum((-1, -2), keepdim=True)  # (m, b h_v, 1, 1)
+        # dD = sum(S0 * dS_next) per chunk and head, as batched dot products (no S0-sized temp)
+        dD = S0.flatten(2)[:, :, None, :] @ dS_next.flatten(2)[..., None]  # (m, b h_v, 1, 1)
         grads = (_batch_major(t, b, h_v) for t in (dV, dW, dK, dD))
         return (*grads, dS.view(b, h_v, *dS.shape[1:]))
 
