@@ -270,7 +270,9 @@ class _UnitLowerInverse(torch.autograd.Function):
 class _ChunkScan(torch.autograd.Function):
     """The scan over chunks, with its backward written out (autograd of a Python loop would
     record ~10 small ops per chunk; here each direction is two matmuls per chunk). Inside, the
-    tensors are laid out chunk-major, ``(m, b h_v, c, d)``, so each step reads contiguous blocks.
+    tensors keep their ``(b h_v, m, ...)`` layout (views of the inputs, no copies); each step
+    takes the chunk's ``(b h_v, c, d)`` slice, whose matrices are contiguous, and the states
+    and gradients come out in the layout the output matmul reads.
 
     Forward, per chunk ``i`` (``D_i = exp(G_c)``, ``K_i = exp(G_c - G) k``)::
 
@@ -286,50 +288,46 @@ class _ChunkScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, U, W, K, D, state):  # type: ignore[no-untyped-def,override]
-        b, h_v, m, _, d_v = U.shape
+        b, h_v, m, c, d_v = U.shape
         d_k = W.shape[-1]
-        U_, W_, K_ = (_chunk_major(t) for t in (U, W, K))  # (m, b h_v, c, d)
-        D_ = _chunk_major(D)  # (m, b h_v, 1, 1)
-        S0 = U.new_empty(m, b * h_v, d_k, d_v)
+        U_, W_, K_ = (t.reshape(b * h_v, m, c, t.shape[-1]) for t in (U, W, K))  # (b h_v, m, c, d)
+        D_ = D.reshape(b * h_v, m, 1, 1)
+        S0 = U.new_empty(b * h_v, m, d_k, d_v)
         V_new = torch.empty_like(U_)
         S = state.reshape(b * h_v, d_k, d_v)
         for i in range(m):
-            S0[i] = S
-            torch.baddbmm(U_[i], W_[i], S, alpha=-1, out=V_new[i])  # U_i - W_i S
-            S = torch.baddbmm(S * D_[i], K_[i].transpose(-1, -2), V_new[i])
+            S0[:, i] = S
+            torch.baddbmm(U_[:, i], W_[:, i], S, alpha=-1, out=V_new[:, i])  # U_i - W_i S
+            S = torch.baddbmm(S * D_[:, i], K_[:, i].transpose(-1, -2), V_new[:, i])
         ctx.save_for_backward(W_, K_, D_, S0, V_new)
         ctx.shape = (b, h_v)
-        return _batch_major(S0, b, h_v), _batch_major(V_new, b, h_v), S.view(b, h_v, d_k, d_v)
+        return (
+            S0.view(b, h_v, m, d_k, d_v),
+            V_new.view(b, h_v, m, c, d_v),
+            S.view(b, h_v, d_k, d_v),
+        )
 
     @staticmethod
     def backward(ctx, dS0, dV_new, dstate):  # type: ignore[no-untyped-def,override]
         W_, K_, D_, S0, V_new = ctx.saved_tensors
         b, h_v = ctx.shape
-        m = V_new.shape[0]
+        m = V_new.shape[1]
         dS = dstate.reshape(b * h_v, *dstate.shape[2:]).clone()
-        dV = _chunk_major(dV_new).clone()  # (m, b h_v, c, d_v)
-        dS0_ = _chunk_major(dS0)
+        dV = dV_new.reshape(V_new.shape).clone()  # (b h_v, m, c, d_v)
+        dS0_ = dS0.reshape(S0.shape)
         dS_next = torch.empty_like(S0)  # the gradient of the state leaving each chunk
         for i in reversed(range(m)):
-            dS_next[i] = dS
-            dV[i].baddbmm_(K_[i], dS)  # dV'_i += K_i dS
-            dS = torch.baddbmm(dS * D_[i] + dS0_[i], W_[i].transpose(-1, -2), dV[i], alpha=-1)
-        dW = -(dV @ S0.transpose(-1, -2))  # (m, b h_v, c, d_k)
-        dK = V_new @ dS_next.transpose(-1, -2)  # (m, b h_v, c, d_k)
+            dS_next[:, i] = dS
+            dV[:, i].baddbmm_(K_[:, i], dS)  # dV'_i += K_i dS
+            dS = torch.baddbmm(
+                dS * D_[:, i] + dS0_[:, i], W_[:, i].transpose(-1, -2), dV[:, i], alpha=-1
+            )
+        dW = torch.matmul(dV, S0.transpose(-1, -2)).neg_()  # (b h_v, m, c, d_k)
+        dK = V_new @ dS_next.transpose(-1, -2)  # (b h_v, m, c, d_k)
         # dD = sum(S0 * dS_next) per chunk and head, as batched dot products (no S0-sized temp)
-        dD = S0.flatten(2)[:, :, None, :] @ dS_next.flatten(2)[..., None]  # (m, b h_v, 1, 1)
-        grads = (_batch_major(t, b, h_v) for t in (dV, dW, dK, dD))
+        dD = S0.flatten(2)[..., None, :] @ dS_next.flatten(2)[..., None]  # (b h_v, m, 1, 1)
+        grads = (t.view(b, h_v, *t.shape[1:]) for t in (dV, dW, dK, dD))
         return (*grads, dS.view(b, h_v, *dS.shape[1:]))
-
-
-def _chunk_major(t: Tensor) -> Tensor:
-    """``(b, h_v, m, ...)`` -> contiguous ``(m, b h_v, ...)``."""
-    return t.flatten(0, 1).transpose(0, 1).contiguous()
-
-
-def _batch_major(t: Tensor, b: int, h_v: int) -> Tensor:
-    """``(m, b h_v, ...)`` -> ``(b, h_v, m, ...)`` (a view)."""
-    return t.transpose(0, 1).unflatten(0, (b, h_v))
 
 
 class GatedDeltaCache:
