@@ -22,9 +22,9 @@ form (Bischof & Van Loan 1987), whose coefficients come from one unit lower-tria
 the UT transform (Joffrain et al. 2006; section 3.3 of the paper, and DeltaNet's section 3 by
 Yang et al. 2024b, arXiv:2406.06484). Only the ``m = n / c`` chunk states are visited in
 sequence; all the rest is batched over chunks. Backward is autograd through the chunked form,
-except the scan, whose backward is written out, and the per-chunk factors, which are recomputed
-rather than kept (``torch.utils.checkpoint``): recomputing them is cheap next to the scan,
-keeping them costs several times the inputs' size.
+except the scan, whose backward is written out. ``beta`` and the decays scale the ``(c, c)``
+factors rather than ``(c, d)`` copies of ``k`` and ``v``, so what autograd keeps is mostly
+``(c, c)`` per chunk besides the inputs.
 
 ``GatedDeltaNet`` is the layer around the rule as Qwen3-Next builds it (and Qwen3.5 and Kimi
 Linear after it): projections to q, k, v, a short causal depthwise convolution with SiLU over
@@ -39,7 +39,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from attnkit._numerics import compute_dtype
 
@@ -200,15 +199,7 @@ def _chunked(
     m = (n + pad) // c
     q, k, v = (t.reshape(b, h_v, m, c, t.shape[-1]) for t in (q, k, v))  # (b, h_v, m, c, d)
     g, beta = g.reshape(b, h_v, m, c), beta.reshape(b, h_v, m, c)
-    inputs = (q, k, v, g, beta)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        # The per-chunk factors are cheap next to the scan and the output matmuls but many
-        # (A, T, the decays, k beta, v beta, ...): autograd would keep all of them, several
-        # times the inputs' size. Recomputing them in backward keeps only the inputs.
-        factors = checkpoint(_chunk_factors, *inputs, use_reentrant=False)
-    else:
-        factors = _chunk_factors(*inputs)
-    U, W, inner, q_decayed, k_decayed, chunk_decay = factors
+    U, W, inner, q_decayed, k_decayed, chunk_decay = _chunk_factors(q, k, v, g, beta)
 
     # Only this scan is sequential: the state entering each chunk.
     if state is None:
