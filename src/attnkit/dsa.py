@@ -147,8 +147,8 @@ class LightningIndexer(nn.Module):
     def scores(self, q: Tensor, w: Tensor, k: Tensor) -> Tensor:
         """``I (b, i, j) = sum_H w[b, i, H] ReLU(q[b, H, i] . k[b, j] / sqrt(D))``."""
         work = compute_dtype(q.dtype)
-        s = F.relu(q.to(work) @ k.to(work)[:, None].transpose(-1, -2) * self.head_dim**-0.5)
-        return torch.einsum("bhij,bih->bij", s, w.to(work))  # (b, i, j)
+        q = (q.to(work) * self.head_dim**-0.5).transpose(1, 2)  # (b, i, H, D)
+        return _index_scores(q, w.to(work), k.to(work).transpose(-1, -2))
 
     @torch.no_grad()
     def select(
@@ -159,24 +159,33 @@ class LightningIndexer(nn.Module):
         ``x (b, i, e)`` and ``c_q (b, i, d_q)`` are the new tokens, ``keys (b, j, D)`` every key
         (cached ones first). ``t = min(top_k, j)``; ``valid`` is False where a row had fewer
         visible keys than ``t`` (early rows under ``is_causal``, aligned bottom-right). Scores
-        are computed ``block`` rows at a time, so memory is ``O(block * j)``.
+        are computed ``block`` rows at a time, so memory is ``O(block * j)``; under
+        ``is_causal`` a tile stops at its last row's last visible key (at least ``t`` keys),
+        so the work is about half of ``i * j``.
         """
         b, i, _ = x.shape
         j = keys.shape[1]
-        offset = j - i
-        q = self.queries(c_q, offset)  # (b, H, i, D)
-        w = self.head_weights(x)  # (b, i, H)
+        offset = causal_offset(i, j)
+        work = compute_dtype(c_q.dtype)
+        q = self.queries(c_q, offset).to(work) * self.head_dim**-0.5  # (b, H, i, D)
+        q = q.transpose(1, 2)  # (b, i, H, D)
+        w = self.head_weights(x).to(work)  # (b, i, H)
+        k = keys.to(work).contiguous()  # (b, j, D)
         t = min(self.top_k, j)
         indices = torch.empty(b, i, t, dtype=torch.long, device=x.device)
         valid = torch.ones(b, i, t, dtype=torch.bool, device=x.device)
         key_pos = torch.arange(j, device=x.device)
+        scratch = torch.empty(b * min(block, i) * self.num_heads * j, dtype=work, device=x.device)
         for r0 in range(0, i, block):
             r1 = min(i, r0 + block)
-            s = self.scores(q[:, :, r0:r1], w[:, r0:r1], keys)  # (b, rows, j)
-            if is_causal:
-                rows = torch.arange(r0, r1, device=x.device)[:, None] + causal_offset(i, j)
-                visible = key_pos[None, :] <= rows  # (rows, j)
-                s = s.masked_fill(~visible, blocked(s.dtype))
+            # causal: keys past the tile's last row are never visible; keep >= t columns
+            end = min(j, max(t, r1 + offset)) if is_causal else j
+            s = _index_scores(q[:, r0:r1], w[:, r0:r1], k[:, :end].transpose(-1, -2), scratch)
+            if is_causal:  # s: (b, rows, end); only keys past the first row can be hidden
+                rows = torch.arange(r0, r1, device=x.device)[:, None] + offset
+                lo = min(end, r0 + offset + 1)
+                hidden = key_pos[None, lo:end] > rows  # (rows, end - lo)
+                s[..., lo:end].masked_fill_(hidden, blocked(s.dtype))
                 idx = s.topk(t, dim=-1).indices  # (b, rows, t)
                 valid[:, r0:r1] = idx <= rows[None]
             else:
@@ -185,73 +194,115 @@ class LightningIndexer(nn.Module):
         return indices, valid
 
 
+def _index_scores(q: Tensor, w: Tensor, k_t: Tensor, scratch: Tensor | None = None) -> Tensor:
+    """``(b, rows, j)`` indexer scores from pre-scaled ``q (b, rows, H, D)``, ``w (b, rows, H)``
+    and ``k_t (b, D, j)``: the per-head products as one GEMM over ``rows H`` query rows, ReLU
+    in place, and the head mix as a batched ``(1, H) @ (H, j)`` per row, so the only
+    ``(b, rows, H, j)`` temporary is the first, written into ``scratch`` (flat, reused across
+    tiles: a fresh one per tile costs page faults) when given."""
+    b, rows, heads, _ = q.shape
+    j = k_t.shape[-1]
+    s = None if scratch is None else scratch[: b * rows * heads * j].view(b, rows * heads, j)
+    s = torch.relu_(torch.matmul(q.reshape(b, rows * heads, -1), k_t, out=s))  # one GEMM
+    return (w[:, :, None] @ s.view(b, rows, heads, -1))[:, :, 0]  # (b, rows, j)
+
+
 class _GatherAttention(torch.autograd.Function):
-    """Forward and recomputing backward of ``gather_attention`` (see there)."""
+    """Forward and recomputing backward of ``gather_attention`` (see there).
+
+    Inside, queries are laid out ``(b, i, h, d)`` and pre-scaled once, so a block's scores are
+    one batched matmul per query row against its ``t`` gathered keys, shared by all ``h`` heads.
+    The softmax runs in place on the score block (max, subtract, exp, sum), and invalid indices
+    are blocked only in blocks that have any (the first ``t`` causal rows). The backward
+    recomputes ``p`` from the saved log-sum-exp and takes ``delta = rowsum(dO * O)`` for all
+    rows at once (FlashAttention-2's backward), so per block it runs five matmuls, two in-place
+    passes, and one sparse segment sum for the key gradients.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, indices, valid, scale, block):  # type: ignore[no-untyped-def,override]
         b, h, i, _ = q.shape
         j, dv = k.shape[1], v.shape[-1]
         work = compute_dtype(q.dtype)
-        out = q.new_empty(b, h, i, dv)
-        lse = torch.empty(b, h, i, dtype=work, device=q.device)
+        qs = (q.transpose(1, 2).to(work) * scale).contiguous()  # (b, i, h, d), pre-scaled
+        out = torch.empty(b, i, h, dv, dtype=work, device=q.device)
+        lse = torch.empty(b, i, h, 1, dtype=work, device=q.device)
         tables = _tables(k, v)
+        buffers: dict[str, Tensor] = {}  # gather scratch, reused by every block
         for r0 in range(0, i, block):
             r1 = min(i, r0 + block)
-            kg, vg = _gather(*tables, dv, indices[:, r0:r1], j, work)  # (b, rows, t, d | dv)
-            s = _scores(q[:, :, r0:r1].to(work), kg, valid[:, r0:r1], scale)  # (b, rows, h, t)
-            m = torch.logsumexp(s, dim=-1, keepdim=True)  # (b, rows, h, 1)
-            p = torch.exp(s - m) * valid[:, r0:r1, None]
-            out[:, :, r0:r1] = (p @ vg).transpose(1, 2).to(out.dtype)  # (b, h, rows, dv)
-            lse[:, :, r0:r1] = m[..., 0].transpose(1, 2)
-        ctx.save_for_backward(q, k, v, indices, valid, out, lse)
-        ctx.scale, ctx.block = scale, block
-        return out
+            kg, vg = _gather(*tables, dv, indices[:, r0:r1], j, work, buffers)  # (b, rows, t, .)
+            p = _scores(qs[:, r0:r1], kg, valid[:, r0:r1])  # (b, rows, h, t)
+            m = p.amax(-1, keepdim=True)  # (b, rows, h, 1)
+            p.sub_(m).exp_()
+            total = p.sum(-1, keepdim=True)
+            torch.matmul(p, vg, out=out[:, r0:r1])  # (b, rows, h, dv), unnormalised
+            out[:, r0:r1].div_(total)
+            lse[:, r0:r1] = m + total.log()
+        ctx.save_for_backward(qs, k, v, indices, valid, out, lse)
+        ctx.scale, ctx.block, ctx.q_dtype = scale, block, q.dtype
+        return out.transpose(1, 2).to(q.dtype)  # (b, h, i, dv)
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[no-untyped-def,override]
-        q, k, v, indices, valid, out, lse = ctx.saved_tensors
+        qs, k, v, indices, valid, out, lse = ctx.saved_tensors
         scale, block = ctx.scale, ctx.block
-        b, _, i, _ = q.shape
+        b, i, _, _ = qs.shape
         j, dv_width = k.shape[1], v.shape[-1]
         work = lse.dtype
-        dq = torch.empty(q.shape, dtype=work, device=q.device)
+        do_all = d_out.transpose(1, 2).to(work).contiguous()  # (b, i, h, dv)
+        delta = (do_all * out).sum(-1, keepdim=True)  # (b, i, h, 1): rowsum(dO * O)
+        dq = torch.empty_like(qs)  # (b, i, h, d)
         dk = torch.zeros(b * j, k.shape[-1], dtype=work, device=k.device)
         tables = _tables(k, v)
         shared = tables[1] is None  # values are the keys' first channels: one gradient table
         dv = None if shared else torch.zeros(b * j, dv_width, dtype=work, device=v.device)
         base = (torch.arange(b, device=k.device) * j).view(b, 1, 1)
+        buffers: dict[str, Tensor] = {}  # gather and key-gradient scratch, reused by every block
+        h, d = qs.shape[2], qs.shape[3]
+        if shared:  # dO padded to the keys' width: dP = dO_pad K^T, as S = Q K^T
+            do_pad = F.pad(do_all, (0, d - dv_width))  # (b, i, h, d)
         for r0 in range(0, i, block):
             r1 = min(i, r0 + block)
             idx = indices[:, r0:r1]
-            kg, vg = _gather(*tables, dv_width, idx, j, work)
-            qt = q[:, :, r0:r1].to(work).transpose(1, 2)  # (b, rows, h, d)
-            s = _scores(q[:, :, r0:r1].to(work), kg, valid[:, r0:r1], scale)
-            p = torch.exp(s - lse[:, :, r0:r1].transpose(1, 2)[..., None])  # (b, rows, h, t)
-            p = p * valid[:, r0:r1, None]
-            do = d_out[:, :, r0:r1].to(work).transpose(1, 2)  # (b, rows, h, dv)
-            o = out[:, :, r0:r1].to(work).transpose(1, 2)
-            dp = do @ vg.transpose(-1, -2)  # (b, rows, h, t)
-            ds = p * (dp - (do * o).sum(-1, keepdim=True))  # softmax backward
-            dq[:, :, r0:r1] = (ds @ kg).transpose(1, 2) * scale
-            dk_g = ds.transpose(-1, -2) @ qt * scale  # (b, rows, t, d): per gathered key
-            dv_g = p.transpose(-1, -2) @ do  # (b, rows, t, dv)
+            kg, vg = _gather(*tables, dv_width, idx, j, work, buffers)
+            qt, do = qs[:, r0:r1], do_all[:, r0:r1]  # (b, rows, h, d), (b, rows, h, dv)
             scatter = _scatter_matrix((idx + base).flatten(), b * j, work)
             if shared:
-                dk_g[..., :dv_width] += dv_g
+                # One matmul of 2h rows gives [S; dP] against the gathered keys, in place
+                # [P; dS]; then [P; dS]^T [dO_pad; Q] = P^T dO + dS^T Q, the key and value
+                # gradients of each gathered row summed in the same matmul.
+                sd = torch.cat([qt, do_pad[:, r0:r1]], dim=2) @ kg.transpose(-1, -2)
+                p = _mask_invalid(sd[:, :, :h], valid[:, r0:r1]).sub_(lse[:, r0:r1]).exp_()
+                ds = sd[:, :, h:].sub_(delta[:, r0:r1]).mul_(p)  # (b, rows, h, t)
+                torch.matmul(ds, kg, out=dq[:, r0:r1])  # d(qs); times scale below
+                dk_g = _buffer(buffers, "dk", kg.shape[:-1].numel(), d, work, k.device)
+                dk_g = dk_g.view(kg.shape)  # (b, rows, t, d)
+                torch.matmul(
+                    sd.transpose(-1, -2), torch.cat([do_pad[:, r0:r1], qt], dim=2), out=dk_g
+                )
             else:
+                p = _scores(qt, kg, valid[:, r0:r1]).sub_(lse[:, r0:r1]).exp_()
+                ds = (do @ vg.transpose(-1, -2)).sub_(delta[:, r0:r1]).mul_(p)  # softmax bwd
+                torch.matmul(ds, kg, out=dq[:, r0:r1])  # d(qs); times scale below
+                dk_g = ds.transpose(-1, -2) @ qt  # (b, rows, t, d): per gathered key
+                dv_g = p.transpose(-1, -2) @ do  # (b, rows, t, dv)
                 assert dv is not None
-                dv += torch.sparse.mm(scatter, dv_g.flatten(0, 2))
-            dk += torch.sparse.mm(scatter, dk_g.flatten(0, 2))  # sums rows that share a key
+                torch.addmm(dv, scatter, dv_g.flatten(0, 2), out=dv)
+            # dk += scatter @ dk_g, accumulated in place: sums the rows that share a key
+            torch.addmm(dk, scatter, dk_g.flatten(0, 2), out=dk)
+        dq = dq.mul_(scale).transpose(1, 2).to(ctx.q_dtype)  # (b, h, i, d)
         dk = dk.view(b, j, -1).to(k.dtype)
         dv = None if dv is None else dv.view(b, j, -1).to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def _scatter_matrix(rows: Tensor, size: int, dtype: torch.dtype) -> Tensor:
     """The sparse ``(size, N)`` matrix with a one at ``(rows[n], n)``: times an ``(N, d)``
     tensor it sums the rows that point at the same key (a segment sum that, on CPU, runs far
-    faster than ``index_add_`` when many rows share a target)."""
+    faster than ``index_add_`` when many rows share a target). Used through
+    ``torch.addmm(acc, scatter, rows, out=acc)``, which adds into ``acc`` without building a
+    dense ``(size, d)`` product first (several times faster than ``acc += sparse.mm(..)``)."""
     n = rows.numel()
     at = torch.stack([rows, torch.arange(n, device=rows.device)])
     ones = torch.ones(n, dtype=dtype, device=rows.device)
@@ -269,22 +320,58 @@ def _tables(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
 
 
 def _gather(
-    k_table: Tensor, v_table: Tensor | None, dv: int, idx: Tensor, j: int, work: torch.dtype
+    k_table: Tensor,
+    v_table: Tensor | None,
+    dv: int,
+    idx: Tensor,
+    j: int,
+    work: torch.dtype,
+    buffers: dict[str, Tensor],
 ) -> tuple[Tensor, Tensor]:
     """The keys and values ``idx (b, rows, t)`` points at: ``(b, rows, t, d)``, ``(.., dv)``."""
     b = idx.shape[0]
     flat = (idx + (torch.arange(b, device=idx.device) * j).view(b, 1, 1)).flatten()
-    kg = k_table[flat].view(*idx.shape, -1).to(work)
+    kg = _take(k_table, flat, work, buffers, "k").view(*idx.shape, -1)
     if v_table is None:
         return kg, kg[..., :dv]
-    return kg, v_table[flat].view(*idx.shape, -1).to(work)
+    return kg, _take(v_table, flat, work, buffers, "v").view(*idx.shape, -1)
 
 
-def _scores(q: Tensor, kg: Tensor, valid: Tensor, scale: float) -> Tensor:
-    """Scaled scores ``(b, rows, h, t)`` of ``q (b, h, rows, d)`` on gathered keys, blocked where
-    not valid."""
-    s = q.transpose(1, 2) @ kg.transpose(-1, -2) * scale  # (b, rows, h, t)
-    return s.masked_fill(~valid[:, :, None], blocked(s.dtype))
+def _take(
+    table: Tensor, rows: Tensor, work: torch.dtype, buffers: dict[str, Tensor], name: str
+) -> Tensor:
+    """``table[rows]`` in ``work``, written into a buffer kept across blocks: a fresh tensor of
+    tens of MB per block costs more in page faults than the copy itself (on CPU, several times
+    the time of ``index_select(..., out=)`` into memory already touched)."""
+    raw = _buffer(buffers, name, rows.numel(), table.shape[1], table.dtype, table.device)
+    torch.index_select(table, 0, rows, out=raw)
+    if table.dtype == work:
+        return raw
+    return _buffer(buffers, name + "_work", *raw.shape, work, table.device).copy_(raw)
+
+
+def _buffer(
+    buffers: dict[str, Tensor], name: str, n: int, d: int, dtype: torch.dtype, device
+) -> Tensor:
+    """The first ``n`` rows of the ``(>= n, d)`` scratch tensor ``buffers[name]`` (made once)."""
+    buf = buffers.get(name)
+    if buf is None or buf.shape[0] < n:
+        buf = buffers[name] = torch.empty(n, d, dtype=dtype, device=device)
+    return buf[:n]
+
+
+def _scores(qs: Tensor, kg: Tensor, valid: Tensor) -> Tensor:
+    """Scores ``(b, rows, h, t)`` of pre-scaled ``qs (b, rows, h, d)`` on gathered keys
+    ``kg (b, rows, t, d)``, blocked (in place) where not valid."""
+    return _mask_invalid(qs @ kg.transpose(-1, -2), valid)  # (b, rows, h, t)
+
+
+def _mask_invalid(s: Tensor, valid: Tensor) -> Tensor:
+    """``s (b, rows, h, t)`` with the scores of invalid indices ``valid (b, rows, t)`` blocked, in
+    place; untouched (no pass over it) when every index of the block is valid."""
+    if not bool(valid.all()):
+        s.masked_fill_(~valid[:, :, None], blocked(s.dtype))
+    return s
 
 
 def gather_attention(

@@ -21,7 +21,10 @@ chunk of ``c`` positions the product of the ``(I - beta k k^T)`` factors is writ
 form (Bischof & Van Loan 1987), whose coefficients come from one unit lower-triangular solve,
 the UT transform (Joffrain et al. 2006; section 3.3 of the paper, and DeltaNet's section 3 by
 Yang et al. 2024b, arXiv:2406.06484). Only the ``m = n / c`` chunk states are visited in
-sequence; all the rest is batched over chunks. Backward is autograd through the chunked form.
+sequence; all the rest is batched over chunks. Backward is autograd through the chunked form,
+except the scan, whose backward is written out. ``beta`` and the decays scale the ``(c, c)``
+factors rather than ``(c, d)`` copies of ``k`` and ``v``, so what autograd keeps is mostly
+``(c, c)`` per chunk besides the inputs.
 
 ``GatedDeltaNet`` is the layer around the rule as Qwen3-Next builds it (and Qwen3.5 and Kimi
 Linear after it): projections to q, k, v, a short causal depthwise convolution with SiLU over
@@ -133,11 +136,11 @@ def gated_delta_rule(
     work = compute_dtype(torch.promote_types(q.dtype, v.dtype))
     q, k, v, g, beta = (t.to(work) for t in (q, k, v, g, beta))
     h, h_v = k.shape[1], v.shape[1]
+    if use_qk_l2norm:  # per row, so before the repeat: autograd keeps h heads, not h_v
+        q, k = l2norm(q), l2norm(k)
     if h_v != h:  # grouped value heads: repeat each q/k head over its value heads
         q = q.repeat_interleave(h_v // h, dim=1)  # (b, h_v, n, d_k)
         k = k.repeat_interleave(h_v // h, dim=1)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
     q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
     state = None if initial_state is None else initial_state.to(work)
     if method == "recurrent":
@@ -196,21 +199,7 @@ def _chunked(
     m = (n + pad) // c
     q, k, v = (t.reshape(b, h_v, m, c, t.shape[-1]) for t in (q, k, v))  # (b, h_v, m, c, d)
     g, beta = g.reshape(b, h_v, m, c), beta.reshape(b, h_v, m, c)
-    G = g.cumsum(-1)  # (b, h_v, m, c)
-    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()  # s <= r
-    # exp(G_r - G_s) for s <= r; above the diagonal the difference is zeroed *before* exp so
-    # it cannot overflow, then the entry itself is zeroed.
-    diff = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, 0.0)
-    decay = diff.exp().masked_fill(~lower, 0.0)  # (b, h_v, m, c, c)
-    k_beta = k * beta[..., None]  # (b, h_v, m, c, d_k)
-    A = (k_beta @ k.transpose(-1, -2)) * decay  # (b, h_v, m, c, c); diagonal ignored below
-    T = _UnitLowerInverse.apply(A.tril(-1))  # (b, h_v, m, c, c): (I + A)^-1
-    U = T @ (v * beta[..., None])  # (b, h_v, m, c, d_v)
-    W = T @ (k_beta * G.exp()[..., None])  # (b, h_v, m, c, d_k)
-    inner = (q @ k.transpose(-1, -2)) * decay  # (b, h_v, m, c, c): attention inside a chunk
-    q_decayed = q * G.exp()[..., None]  # reads S_0 through the decay so far
-    k_decayed = k * (G[..., -1:] - G).exp()[..., None]  # writes decayed to the chunk's end
-    chunk_decay = G[..., -1].exp()[..., None, None]  # (b, h_v, m, 1, 1)
+    U, W, inner, q_decayed, k_decayed, chunk_decay = _chunk_factors(q, k, v, g, beta)
 
     # Only this scan is sequential: the state entering each chunk.
     if state is None:
@@ -219,6 +208,32 @@ def _chunked(
     out = q_decayed @ S0 + inner @ V_new  # (b, h_v, m, c, d_v)
     out = out.reshape(b, h_v, m * c, d_v)[:, :, :n]  # (b, h_v, n, d_v)
     return out, state
+
+
+def _chunk_factors(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Everything of ``_chunked`` that is independent across chunks, batched over all of them:
+    ``(U, W, inner, q exp(G), k exp(G_c - G), exp(G_c))`` from ``(b, h_v, m, c, .)`` inputs."""
+    c = q.shape[-2]
+    G = g.cumsum(-1)  # (b, h_v, m, c)
+    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()  # s <= r
+    # exp(G_r - G_s) for s <= r; above the diagonal the difference is zeroed *before* exp so
+    # it cannot overflow, then the entry itself is zeroed.
+    diff = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, 0.0)
+    decay = diff.exp().masked_fill(~lower, 0.0)  # (b, h_v, m, c, c)
+    # beta and exp(G) scale rows of k and v in the formulas; they are applied to the (c, c)
+    # factors instead (beta_r on A's rows, beta_s and exp(G_s) on T's columns), which is the
+    # same product with no elementwise pass over a (c, d) tensor.
+    A = (k @ k.transpose(-1, -2)) * (decay * beta[..., :, None])  # (b, h_v, m, c, c)
+    T = _UnitLowerInverse.apply(A.tril(-1))  # (b, h_v, m, c, c): (I + A)^-1; diagonal ignored
+    U = (T * beta[..., None, :]) @ v  # T (beta v): (b, h_v, m, c, d_v)
+    W = (T * (beta * G.exp())[..., None, :]) @ k  # T (beta exp(G) k): (b, h_v, m, c, d_k)
+    inner = (q @ k.transpose(-1, -2)) * decay  # (b, h_v, m, c, c): attention inside a chunk
+    q_decayed = q * G.exp()[..., None]  # reads S_0 through the decay so far
+    k_decayed = k * (G[..., -1:] - G).exp()[..., None]  # writes decayed to the chunk's end
+    chunk_decay = G[..., -1].exp()[..., None, None]  # (b, h_v, m, 1, 1)
+    return U, W, inner, q_decayed, k_decayed, chunk_decay
 
 
 class _UnitLowerInverse(torch.autograd.Function):
@@ -246,7 +261,9 @@ class _UnitLowerInverse(torch.autograd.Function):
 class _ChunkScan(torch.autograd.Function):
     """The scan over chunks, with its backward written out (autograd of a Python loop would
     record ~10 small ops per chunk; here each direction is two matmuls per chunk). Inside, the
-    tensors are laid out chunk-major, ``(m, b h_v, c, d)``, so each step reads contiguous blocks.
+    tensors keep their ``(b h_v, m, ...)`` layout (views of the inputs, no copies); each step
+    takes the chunk's ``(b h_v, c, d)`` slice, whose matrices are contiguous, and the states
+    and gradients come out in the layout the output matmul reads.
 
     Forward, per chunk ``i`` (``D_i = exp(G_c)``, ``K_i = exp(G_c - G) k``)::
 
@@ -262,49 +279,46 @@ class _ChunkScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, U, W, K, D, state):  # type: ignore[no-untyped-def,override]
-        b, h_v, m, _, d_v = U.shape
+        b, h_v, m, c, d_v = U.shape
         d_k = W.shape[-1]
-        U_, W_, K_ = (_chunk_major(t) for t in (U, W, K))  # (m, b h_v, c, d)
-        D_ = _chunk_major(D)  # (m, b h_v, 1, 1)
-        S0 = U.new_empty(m, b * h_v, d_k, d_v)
+        U_, W_, K_ = (t.reshape(b * h_v, m, c, t.shape[-1]) for t in (U, W, K))  # (b h_v, m, c, d)
+        D_ = D.reshape(b * h_v, m, 1, 1)
+        S0 = U.new_empty(b * h_v, m, d_k, d_v)
         V_new = torch.empty_like(U_)
         S = state.reshape(b * h_v, d_k, d_v)
         for i in range(m):
-            S0[i] = S
-            torch.baddbmm(U_[i], W_[i], S, alpha=-1, out=V_new[i])  # U_i - W_i S
-            S = torch.baddbmm(S * D_[i], K_[i].transpose(-1, -2), V_new[i])
+            S0[:, i] = S
+            torch.baddbmm(U_[:, i], W_[:, i], S, alpha=-1, out=V_new[:, i])  # U_i - W_i S
+            S = torch.baddbmm(S * D_[:, i], K_[:, i].transpose(-1, -2), V_new[:, i])
         ctx.save_for_backward(W_, K_, D_, S0, V_new)
         ctx.shape = (b, h_v)
-        return _batch_major(S0, b, h_v), _batch_major(V_new, b, h_v), S.view(b, h_v, d_k, d_v)
+        return (
+            S0.view(b, h_v, m, d_k, d_v),
+            V_new.view(b, h_v, m, c, d_v),
+            S.view(b, h_v, d_k, d_v),
+        )
 
     @staticmethod
     def backward(ctx, dS0, dV_new, dstate):  # type: ignore[no-untyped-def,override]
         W_, K_, D_, S0, V_new = ctx.saved_tensors
         b, h_v = ctx.shape
-        m = V_new.shape[0]
+        m = V_new.shape[1]
         dS = dstate.reshape(b * h_v, *dstate.shape[2:]).clone()
-        dV = _chunk_major(dV_new).clone()  # (m, b h_v, c, d_v)
-        dS0_ = _chunk_major(dS0)
+        dV = dV_new.reshape(V_new.shape).clone()  # (b h_v, m, c, d_v)
+        dS0_ = dS0.reshape(S0.shape)
         dS_next = torch.empty_like(S0)  # the gradient of the state leaving each chunk
         for i in reversed(range(m)):
-            dS_next[i] = dS
-            dV[i].baddbmm_(K_[i], dS)  # dV'_i += K_i dS
-            dS = torch.baddbmm(dS * D_[i] + dS0_[i], W_[i].transpose(-1, -2), dV[i], alpha=-1)
-        dW = -(dV @ S0.transpose(-1, -2))  # (m, b h_v, c, d_k)
-        dK = V_new @ dS_next.transpose(-1, -2)  # (m, b h_v, c, d_k)
-        dD = (S0 * dS_next).sum((-1, -2), keepdim=True)  # (m, b h_v, 1, 1)
-        grads = (_batch_major(t, b, h_v) for t in (dV, dW, dK, dD))
+            dS_next[:, i] = dS
+            dV[:, i].baddbmm_(K_[:, i], dS)  # dV'_i += K_i dS
+            dS = torch.baddbmm(
+                dS * D_[:, i] + dS0_[:, i], W_[:, i].transpose(-1, -2), dV[:, i], alpha=-1
+            )
+        dW = torch.matmul(dV, S0.transpose(-1, -2)).neg_()  # (b h_v, m, c, d_k)
+        dK = V_new @ dS_next.transpose(-1, -2)  # (b h_v, m, c, d_k)
+        # dD = sum(S0 * dS_next) per chunk and head, as batched dot products (no S0-sized temp)
+        dD = S0.flatten(2)[..., None, :] @ dS_next.flatten(2)[..., None]  # (b h_v, m, 1, 1)
+        grads = (t.view(b, h_v, *t.shape[1:]) for t in (dV, dW, dK, dD))
         return (*grads, dS.view(b, h_v, *dS.shape[1:]))
-
-
-def _chunk_major(t: Tensor) -> Tensor:
-    """``(b, h_v, m, ...)`` -> contiguous ``(m, b h_v, ...)``."""
-    return t.flatten(0, 1).transpose(0, 1).contiguous()
-
-
-def _batch_major(t: Tensor, b: int, h_v: int) -> Tensor:
-    """``(m, b h_v, ...)`` -> ``(b, h_v, m, ...)`` (a view)."""
-    return t.transpose(0, 1).unflatten(0, (b, h_v))
 
 
 class GatedDeltaCache:
