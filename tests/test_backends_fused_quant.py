@@ -212,6 +212,9 @@ def _standalone(cpu_class: str):
     if not wrapper.exists():
         wrapper.write_text(WRAPPER)
     with jit.file_lock(jit.cache_dir() / f"{name}.lock", jit.BUILD_WAIT):
+        # We hold the build lock, so a baton torch's builder left in the folder is stale (a
+        # killed build): without this, the builder would wait for it forever.
+        (folder / "lock").unlink(missing_ok=True)
         return cpp_extension.load(
             name=name,
             sources=[str(wrapper), str(jit.HERE / "quant.cpp")],
