@@ -431,3 +431,30 @@ def test_flex_attention_is_one_scaled_dot_product_attention_call(
     theirs_bm = tf.create_block_mask(causal, None, None, 97, 97, device="cpu", BLOCK_SIZE=(16, 32))
     ref, ref_lse = torch_flex(q, k, v, None, theirs_bm, enable_gqa=True, return_lse=True)
     assert (out - ref).abs().max() < 1e-12 and (lse - ref_lse).abs().max() < 1e-12
+
+
+def test_flex_imported_alone_routes_through_auto_not_the_reference() -> None:
+    """``from attnkit.flex import ...`` in a fresh interpreter registers the backends, so auto
+    chooses a tiled engine for a block mask instead of the n x n reference math."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch
+import attnkit.functional as fn
+from attnkit.flex import create_block_mask, flex_attention
+chosen = []
+pick = fn.select_backend
+fn.select_backend = lambda name, call: chosen.append(pick(name, call)) or chosen[-1]
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+q = torch.randn(1, 2, 512, 16)
+with torch.no_grad():
+    flex_attention(q, q, q, None, create_block_mask(causal, None, None, 512, 512))
+print(chosen[-1].name)
+"""
+    env = {**os.environ, "ATTNKIT_BACKGROUND": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] not in ("math", ""), out.stdout

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
+import attnkit.backends  # noqa: F401  (registers the backends auto chooses between)
 from attnkit.flex.block_mask import BlockMask
 from attnkit.flex.elementwise import per_element
 from attnkit.functional import scaled_dot_product_attention
