@@ -3,9 +3,12 @@
 The adapter only translates: the block mask becomes a mask function that declares its layout
 (and its ``BLOCK_SIZE`` the tile sizes, ``block_sizes``), the per-element ``score_mod`` a
 function of broadcast index tensors (``elementwise.per_element``), ``enable_gqa`` grouped-query
-attention, ``return_lse`` the call's log-sum-exp. Which backend serves it is the registry's
-choice, as for any call: auto's where it applies (``attnkit.backends.explain``), or the one a
-``with attnkit.use(name)`` block names.
+attention, ``return_lse`` the call's log-sum-exp. A call with a block mask runs on the tiled
+engine, which evaluates the per-element ``mask_mod`` on the partial blocks only: auto cannot
+price a per-element function evaluated over all n x n pairs, and measured it took routes up to
+4x slower (torch's kernel or the fused one, given the mask as a dense tensor). Without a block
+mask the registry chooses as for any call (``attnkit.backends.explain``); a
+``with attnkit.use(name)`` block names the backend in both cases.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ def flex_attention(
         score_mod=None if score_mod is None else per_element(score_mod, score=True),
         return_lse=return_lse,
         block_sizes=block_sizes,
+        backend="auto" if block_mask is None else "tiled",
     )
 
 
