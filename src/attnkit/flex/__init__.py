@@ -9,8 +9,9 @@ vmaps it, so reductions (``torch.dot(qf[q_idx], kf[kv_idx])``, ``.any()``), inde
 tensors (``doc_ids[q_idx]``, ``table[h, q_idx - kv_idx]``) and elementwise ops mean what they
 mean in torch (``attnkit.flex.elementwise``). ``flex_attention`` is a thin adapter: it makes
 one ``attnkit.scaled_dot_product_attention`` call (mask function, score_mod, scale, grouped
-heads, log-sum-exp, the block mask's tile sizes), so the registry chooses the backend as for any
-call (auto: the fastest here that serves it). With a score_mod that is a tile engine
+heads, log-sum-exp, the block mask's tile sizes). With a block mask that is the tiled engine
+(the mask_mod runs on partial blocks only); without one the registry chooses the backend as
+for any call (auto). With a score_mod that is a tile engine
 (``tiled`` or ``sparse``): no ``i x j`` tensor is built, and the backward recomputes each tile
 and differentiates through ``score_mod``, so gradients reach q, k, v and the tensors a score_mod
 captures (a learned bias table), which torch's CPU flex refuses.
