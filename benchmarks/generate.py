@@ -354,6 +354,7 @@ def report(rows, mem, agree, lengths, rounds, threads_list, libraries, absent, b
         + (" llama.cpp: not installed in this run (`make bench-peers`)." if absent else "")
         + (f" The fused kernels were built first ({build_s:.0f} s)." if build_s else "")
         + "\n",
+        "<!-- more -->\n",
     ]
     for threads in threads_list:
         parts.append(f"**{threads} thread{'s' if threads > 1 else ''}.**\n")
@@ -433,6 +434,7 @@ def chart(rows: list[dict[str, object]], out_dir: Path = CHARTS) -> Path:
         title=f"SmolLM2-135M-Instruct on CPU, greedy, {NEW_TOKENS} new tokens; dashed: 1 thread",
         x_label="prompt tokens",
         baselines=[f"{r['library']}, 1t" for r in rows],
+        group=lambda series: series.rsplit(", ", 1)[0],  # one colour per library
         log_y=True,
         out_dir=out_dir,
     )
