@@ -257,7 +257,10 @@ def is_built() -> bool:
 
 def unavailable() -> str | None:
     """Why auto cannot use the kernel now, or None; never compiles. An unbuilt kernel gives a
-    sentence saying how to build it."""
+    sentence saying how to build it. Once the kernel is loaded this reads no file and looks up
+    no program: auto asks it on every call."""
+    if loaded() is not None:
+        return None
     reason = prerequisites()
     if reason is not None:
         return reason
