@@ -47,6 +47,36 @@ def test_bad_arguments_are_one_line_before_the_model_loads(capsys, monkeypatch, 
     assert len(err.splitlines()) == 1 and message in err and err.startswith("attnkit serve: error")
 
 
+class _Loaded(Exception):
+    """Raised by the test's model loader: the command got as far as loading the model."""
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_build_kernel_compiles_before_the_model_loads_and_only_when_asked(monkeypatch, flag):
+    order: list[str] = []
+    monkeypatch.setattr(serve, "build_kernel", lambda: order.append("build"))
+
+    def load_model(path):
+        order.append("load")
+        raise _Loaded
+
+    monkeypatch.setattr(serve, "load_model", load_model)
+    args = build_parser().parse_args(["serve", *(["--build-kernel"] if flag else [])])
+    with pytest.raises(_Loaded):
+        serve.run(args)
+    assert order == (["build", "load"] if flag else ["load"])
+
+
+def test_a_kernel_that_cannot_be_built_is_said_in_one_line(capsys, monkeypatch) -> None:
+    from attnkit.backends.fused import jit
+
+    def fail(force: bool = False):
+        raise jit.NotBuilt("no C++ compiler ('c++') is installed")
+
+    monkeypatch.setattr(jit, "build", fail)
+    assert serve.build_kernel() == "no C++ compiler ('c++') is installed"
+
+
 # The command, with the tiny model of the tests in place of SmolLM2 (load_model is the seam).
 _SERVE = """
 import sys

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="do not share prompt prefixes")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument(
+        "--build-kernel",
+        action="store_true",
+        help="compile attnkit's C++ kernels before loading the model if no build is cached "
+        "(about a minute, once per machine); without it the server uses a cached build or "
+        "the slower reference paths",
+    )
     p.set_defaults(func=run)
+
+
+def build_kernel() -> str | None:
+    """Compile the fused C++ module now if no verified build is cached (asked for by
+    ``--build-kernel``): the quantised products, decode and paged attention then run compiled.
+    Returns why it could not be built, or None."""
+    from attnkit.backends.fused import jit
+
+    try:
+        jit.build()
+    except jit.NotBuilt as reason:
+        return str(reason)
+    return None
 
 
 def load_model(path: Path | None) -> Any:
@@ -77,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
     from attnkit.serve.app import create_app
     from attnkit.serve.engine import Engine
 
+    if args.build_kernel:
+        reason = build_kernel()  # before the model: its quantised layers look the kernel up
+        if reason is not None:
+            print(f"attnkit serve: the C++ kernel was not built ({reason}); serving on the "
+                  "reference paths", file=sys.stderr)  # fmt: skip
     llm = load_model(args.model)
     engine = Engine(
         llm.model,
