@@ -24,8 +24,14 @@ and work ``O(i * t)``, never the ``i x j`` score matrix. Its backward recomputes
 scores from the saved log-sum-exp (as FlashAttention does) and scatters key gradients back.
 
 The indexer's own scores are ``O(i * j * H)`` work (it is cheap per pair, which is its point),
-computed ``block`` query rows at a time; the selection is not differentiable (DeepSeek trains
-the indexer by a separate KL objective), so it runs without autograd.
+computed ``block`` query rows at a time: one ``(b, block, H, j)`` strip of per-head products is
+alive at once, never ``(b, i, j)``, and under causality the rows that see at most ``t`` keys
+keep all of them unscored. The selection is not differentiable and the indexer is not trained
+by the main loss: DeepSeek-V3.2 trains it with a separate KL objective against the main
+attention's distribution (not part of this module), and transformers' ``DeepseekV32Indexer``
+runs under ``no_grad``. So does everything of the indexer here (its keys, queries and scores):
+DSA's output and gradients flow through MLA and the chosen keys only, and the indexer's
+parameters get no gradient from it.
 """
 
 from __future__ import annotations
@@ -503,7 +509,8 @@ class DeepSeekSparseAttention(nn.Module):
         c_q = mla.query_latent(x)  # (b, i, d_q)
         assert c_q is not None
         kv = mla.latents(x, offset)  # (b, i, d_c + d_r)
-        index_keys = self.indexer.keys(x, offset)  # (b, i, D)
+        with torch.no_grad():  # the indexer is not trained by this output (module docstring)
+            index_keys = self.indexer.keys(x, offset)  # (b, i, D)
         if cache is not None:
             kv = cache.append(kv, mla.kv_rank)  # (b, j, d_c + d_r)
             index_keys = cache.append_index(index_keys)
