@@ -71,3 +71,18 @@ def test_table_reports_time_and_memory_ratios():
     text = bench.table(rows, ["fwd", "fwdbwd"])
     assert "| 0.25 (fwdbwd) | 0.500 |" in text
     assert "576" not in text and "1152 bytes per token" in bench.cache_bytes()
+
+
+def test_dsa_verdicts_name_every_figure_and_the_target():
+    key = ("dsa", 8192, "bfloat16")
+    rows = [
+        {"key": key, "route": "dsa sparse", "times": {"fwd": 1.0, "fwdbwd": 4.0},
+         "mem": {"fwd": 100.0, "fwdbwd": 300.0}},
+        {"key": key, "route": "dense torch", "times": {"fwd": 2.0, "fwdbwd": 3.0},
+         "mem": {"fwd": 1000.0, "fwdbwd": 3200.0}},
+    ]  # fmt: skip
+    fwd, fwdbwd = bench.verdicts(rows)
+    assert "bfloat16, fwd: time 1.00 s against 2.00 s = 0.500x (met" in fwd
+    assert "100 MB against 1000 MB = 0.100x (met" in fwd
+    assert "= 1.333x (MISSED" in fwdbwd and "= 0.094x (met" in fwdbwd
+    assert bench.verdicts([{**rows[0], "key": ("dsa", 4096, "bfloat16")}]) == []

@@ -204,3 +204,60 @@ def test_a_small_deepseek_v32_model_equals_transformers_and_generates_the_same()
         torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=0, atol=1e-10)
     expected = hf.generate(ids[:1], max_new_tokens=6, do_sample=False)
     assert torch.equal(ours.greedy(ids[:1], 6), expected)
+
+
+class _LargestTensor:
+    """A dispatch mode that records the largest dense tensor any operation returns (sparse
+    outputs hold only their nonzeros and are skipped), and the ops that returned it."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        record = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, tuple | list) else (out,):
+                    dense = isinstance(t, torch.Tensor) and t.layout == torch.strided
+                    if dense and t.numel() > record.numel:
+                        record.numel, record.op = t.numel(), str(func)
+                return out
+
+        self.numel, self.op, self.mode = 0, None, Mode()
+
+
+def test_indexer_never_holds_more_than_one_strip_of_scores():
+    """The largest tensor ``select`` allocates is its one ``(b, block, H, j)`` strip of per-head
+    products, far below the ``(b, i, j)`` score matrix; rows that see at most ``top_k`` keys
+    are not scored at all."""
+    b, n, block, heads = 2, 301, 8, 16
+    m = _module(top_k=TOP_K)
+    x = torch.randn(b, n, E, dtype=F64)
+    idx = m.indexer
+    c_q = m.attention.query_latent(x)
+    keys = idx.keys(x, 0)
+    largest = _LargestTensor()
+    with largest.mode:
+        indices, valid = idx.select(x, c_q, keys, block=block)
+    assert largest.numel == b * block * heads * n, largest.op
+    assert largest.numel < b * n * n
+    assert torch.equal(indices[:, :TOP_K], torch.arange(TOP_K).expand(b, TOP_K, TOP_K))
+    assert torch.equal(valid[:, :TOP_K], torch.ones(TOP_K, TOP_K).tril().bool().expand(b, -1, -1))
+    assert bool(valid[:, TOP_K:].all())
+
+
+def test_gather_attention_never_builds_query_by_key_tensors():
+    """Forward and backward allocate nothing larger than the queries (dQ, the absorbed query
+    copy): no ``(i, j)`` scores, and gathers of ``block * t`` rows."""
+    gen = torch.Generator().manual_seed(4)
+    b, h, n, d, t, block = 2, 4, 211, 16, 8, 16
+    q = torch.randn(b, h, n, d, generator=gen, dtype=F64, requires_grad=True)
+    k = torch.randn(b, n, d, generator=gen, dtype=F64, requires_grad=True)
+    indices = torch.randint(0, n, (b, n, t), generator=gen)
+    largest = _LargestTensor()
+    with largest.mode:
+        out = gather_attention(q, k, k[..., :12], indices, block=block)
+        out.pow(2).sum().backward()
+    assert largest.numel <= q.numel(), largest.op
+    assert largest.numel < b * n * n

@@ -24,14 +24,19 @@ and work ``O(i * t)``, never the ``i x j`` score matrix. Its backward recomputes
 scores from the saved log-sum-exp (as FlashAttention does) and scatters key gradients back.
 
 The indexer's own scores are ``O(i * j * H)`` work (it is cheap per pair, which is its point),
-computed ``block`` query rows at a time; the selection is not differentiable (DeepSeek trains
-the indexer by a separate KL objective), so it runs without autograd.
+computed ``block`` query rows at a time: one ``(b, block, H, j)`` strip of per-head products is
+alive at once, never ``(b, i, j)``, and under causality the rows that see at most ``t`` keys
+keep all of them unscored. The selection is not differentiable and the indexer is not trained
+by the main loss: DeepSeek-V3.2 trains it with a separate KL objective against the main
+attention's distribution (not part of this module), and transformers' ``DeepseekV32Indexer``
+runs under ``no_grad``. So does everything of the indexer here (its keys, queries and scores):
+DSA's output and gradients flow through MLA and the chosen keys only, and the indexer's
+parameters get no gradient from it.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnkit._numerics import blocked, compute_dtype
@@ -158,10 +163,13 @@ class LightningIndexer(nn.Module):
 
         ``x (b, i, e)`` and ``c_q (b, i, d_q)`` are the new tokens, ``keys (b, j, D)`` every key
         (cached ones first). ``t = min(top_k, j)``; ``valid`` is False where a row had fewer
-        visible keys than ``t`` (early rows under ``is_causal``, aligned bottom-right). Scores
-        are computed ``block`` rows at a time, so memory is ``O(block * j)``; under
-        ``is_causal`` a tile stops at its last row's last visible key (at least ``t`` keys),
-        so the work is about half of ``i * j``.
+        visible keys than ``t`` (early rows under ``is_causal``, aligned bottom-right). Under
+        ``is_causal`` the rows that see at most ``t`` keys keep all of them (``indices`` the
+        first ``t`` positions, ``valid`` the visible ones) and are not scored. The others are
+        scored ``block`` rows at a time: the largest temporary is one ``(b, block, H, j)``
+        strip of per-head products (``scratch``, reused by every tile), never ``(b, i, j)``;
+        under ``is_causal`` a tile stops at its last row's last visible key (at least ``t``
+        keys), so the work is about half of ``i * j``.
         """
         b, i, _ = x.shape
         j = keys.shape[1]
@@ -175,8 +183,13 @@ class LightningIndexer(nn.Module):
         indices = torch.empty(b, i, t, dtype=torch.long, device=x.device)
         valid = torch.ones(b, i, t, dtype=torch.bool, device=x.device)
         key_pos = torch.arange(j, device=x.device)
+        # Causal rows that see at most t keys (query q sees q + 1) keep all of them: no scores.
+        first = min(i, max(0, t - offset)) if is_causal else 0
+        if first:
+            indices[:, :first] = key_pos[:t]
+            valid[:, :first] = key_pos[:t] <= torch.arange(first, device=x.device)[:, None] + offset
         scratch = torch.empty(b * min(block, i) * self.num_heads * j, dtype=work, device=x.device)
-        for r0 in range(0, i, block):
+        for r0 in range(first, i, block):
             r1 = min(i, r0 + block)
             # causal: keys past the tile's last row are never visible; keep >= t columns
             end = min(j, max(t, r1 + offset)) if is_causal else j
@@ -210,13 +223,15 @@ def _index_scores(q: Tensor, w: Tensor, k_t: Tensor, scratch: Tensor | None = No
 class _GatherAttention(torch.autograd.Function):
     """Forward and recomputing backward of ``gather_attention`` (see there).
 
-    Inside, queries are laid out ``(b, i, h, d)`` and pre-scaled once, so a block's scores are
-    one batched matmul per query row against its ``t`` gathered keys, shared by all ``h`` heads.
-    The softmax runs in place on the score block (max, subtract, exp, sum), and invalid indices
-    are blocked only in blocks that have any (the first ``t`` causal rows). The backward
-    recomputes ``p`` from the saved log-sum-exp and takes ``delta = rowsum(dO * O)`` for all
-    rows at once (FlashAttention-2's backward), so per block it runs five matmuls, two in-place
-    passes, and one sparse segment sum for the key gradients.
+    Inside, queries are read in the layout ``(b, i, h, d)`` (a view when ``q`` is a transposed
+    contiguous tensor of the compute dtype, else one copy), so a block's scores are one batched
+    matmul per query row against its ``t`` gathered keys, shared by all ``h`` heads, scaled in
+    place. The softmax runs in place on the score block (max, subtract, exp, sum), and invalid
+    indices are blocked only in blocks that have any (the first ``t`` causal rows). The
+    backward recomputes ``p`` from the saved log-sum-exp and takes ``delta = rowsum(dO * O)``
+    a block at a time (FlashAttention-2's backward), so per block it runs three matmuls (five
+    when the values are not the keys' first channels), two in-place passes, and one sparse
+    segment sum for the key gradients; nothing it allocates is larger than ``dQ`` itself.
     """
 
     @staticmethod
@@ -224,7 +239,9 @@ class _GatherAttention(torch.autograd.Function):
         b, h, i, _ = q.shape
         j, dv = k.shape[1], v.shape[-1]
         work = compute_dtype(q.dtype)
-        qs = (q.transpose(1, 2).to(work) * scale).contiguous()  # (b, i, h, d), pre-scaled
+        qs = q.transpose(1, 2)  # (b, i, h, d)
+        if qs.dtype != work or not qs.is_contiguous():
+            qs = qs.to(work).contiguous()
         out = torch.empty(b, i, h, dv, dtype=work, device=q.device)
         lse = torch.empty(b, i, h, 1, dtype=work, device=q.device)
         tables = _tables(k, v)
@@ -232,7 +249,7 @@ class _GatherAttention(torch.autograd.Function):
         for r0 in range(0, i, block):
             r1 = min(i, r0 + block)
             kg, vg = _gather(*tables, dv, indices[:, r0:r1], j, work, buffers)  # (b, rows, t, .)
-            p = _scores(qs[:, r0:r1], kg, valid[:, r0:r1])  # (b, rows, h, t)
+            p = _scores(qs[:, r0:r1], kg, valid[:, r0:r1], scale)  # (b, rows, h, t)
             m = p.amax(-1, keepdim=True)  # (b, rows, h, 1)
             p.sub_(m).exp_()
             total = p.sum(-1, keepdim=True)
@@ -247,11 +264,10 @@ class _GatherAttention(torch.autograd.Function):
     def backward(ctx, d_out):  # type: ignore[no-untyped-def,override]
         qs, k, v, indices, valid, out, lse = ctx.saved_tensors
         scale, block = ctx.scale, ctx.block
-        b, i, _, _ = qs.shape
+        b, i, h, d = qs.shape
         j, dv_width = k.shape[1], v.shape[-1]
         work = lse.dtype
-        do_all = d_out.transpose(1, 2).to(work).contiguous()  # (b, i, h, dv)
-        delta = (do_all * out).sum(-1, keepdim=True)  # (b, i, h, 1): rowsum(dO * O)
+        d_out = d_out.transpose(1, 2)  # (b, i, h, dv), converted a block at a time
         dq = torch.empty_like(qs)  # (b, i, h, d)
         dk = torch.zeros(b * j, k.shape[-1], dtype=work, device=k.device)
         tables = _tables(k, v)
@@ -259,39 +275,43 @@ class _GatherAttention(torch.autograd.Function):
         dv = None if shared else torch.zeros(b * j, dv_width, dtype=work, device=v.device)
         base = (torch.arange(b, device=k.device) * j).view(b, 1, 1)
         buffers: dict[str, Tensor] = {}  # gather and key-gradient scratch, reused by every block
-        h, d = qs.shape[2], qs.shape[3]
-        if shared:  # dO padded to the keys' width: dP = dO_pad K^T, as S = Q K^T
-            do_pad = F.pad(do_all, (0, d - dv_width))  # (b, i, h, d)
+        if shared:  # [Q; dO_pad; Q] per block: [Q; dO_pad] and [dO_pad; Q] are two views of it
+            stack = torch.zeros(b, min(block, i), 3 * h, d, dtype=work, device=qs.device)
         for r0 in range(0, i, block):
             r1 = min(i, r0 + block)
             idx = indices[:, r0:r1]
             kg, vg = _gather(*tables, dv_width, idx, j, work, buffers)
-            qt, do = qs[:, r0:r1], do_all[:, r0:r1]  # (b, rows, h, d), (b, rows, h, dv)
+            qt, do = qs[:, r0:r1], d_out[:, r0:r1].to(work)  # (b, rows, h, d), (b, rows, h, dv)
+            delta = (do * out[:, r0:r1]).sum(-1, keepdim=True)  # (b, rows, h, 1): rowsum(dO O)
             scatter = _scatter_matrix((idx + base).flatten(), b * j, work)
             if shared:
                 # One matmul of 2h rows gives [S; dP] against the gathered keys, in place
                 # [P; dS]; then [P; dS]^T [dO_pad; Q] = P^T dO + dS^T Q, the key and value
-                # gradients of each gathered row summed in the same matmul.
-                sd = torch.cat([qt, do_pad[:, r0:r1]], dim=2) @ kg.transpose(-1, -2)
-                p = _mask_invalid(sd[:, :, :h], valid[:, r0:r1]).sub_(lse[:, r0:r1]).exp_()
-                ds = sd[:, :, h:].sub_(delta[:, r0:r1]).mul_(p)  # (b, rows, h, t)
-                torch.matmul(ds, kg, out=dq[:, r0:r1])  # d(qs); times scale below
+                # gradients of each gathered row summed in the same matmul (dO is padded with
+                # zeros to the keys' width: dP = dO_pad K^T, as S = Q K^T).
+                rows = stack[:, : r1 - r0]
+                rows[:, :, :h] = qt
+                rows[:, :, h : 2 * h, :dv_width] = do
+                rows[:, :, 2 * h :] = qt
+                sd = rows[:, :, : 2 * h] @ kg.transpose(-1, -2)  # (b, rows, 2h, t)
+                p = _mask_invalid(sd[:, :, :h].mul_(scale), valid[:, r0:r1])
+                p.sub_(lse[:, r0:r1]).exp_()
+                ds = sd[:, :, h:].sub_(delta).mul_(p).mul_(scale)  # (b, rows, h, t)
+                torch.matmul(ds, kg, out=dq[:, r0:r1])  # dQ = scale dS K
                 dk_g = _buffer(buffers, "dk", kg.shape[:-1].numel(), d, work, k.device)
                 dk_g = dk_g.view(kg.shape)  # (b, rows, t, d)
-                torch.matmul(
-                    sd.transpose(-1, -2), torch.cat([do_pad[:, r0:r1], qt], dim=2), out=dk_g
-                )
+                torch.matmul(sd.transpose(-1, -2), rows[:, :, h:], out=dk_g)
             else:
-                p = _scores(qt, kg, valid[:, r0:r1]).sub_(lse[:, r0:r1]).exp_()
-                ds = (do @ vg.transpose(-1, -2)).sub_(delta[:, r0:r1]).mul_(p)  # softmax bwd
-                torch.matmul(ds, kg, out=dq[:, r0:r1])  # d(qs); times scale below
+                p = _scores(qt, kg, valid[:, r0:r1], scale).sub_(lse[:, r0:r1]).exp_()
+                ds = (do @ vg.transpose(-1, -2)).sub_(delta).mul_(p).mul_(scale)  # softmax bwd
+                torch.matmul(ds, kg, out=dq[:, r0:r1])  # dQ = scale dS K
                 dk_g = ds.transpose(-1, -2) @ qt  # (b, rows, t, d): per gathered key
                 dv_g = p.transpose(-1, -2) @ do  # (b, rows, t, dv)
                 assert dv is not None
                 torch.addmm(dv, scatter, dv_g.flatten(0, 2), out=dv)
             # dk += scatter @ dk_g, accumulated in place: sums the rows that share a key
             torch.addmm(dk, scatter, dk_g.flatten(0, 2), out=dk)
-        dq = dq.mul_(scale).transpose(1, 2).to(ctx.q_dtype)  # (b, h, i, d)
+        dq = dq.transpose(1, 2).to(ctx.q_dtype)  # (b, h, i, d)
         dk = dk.view(b, j, -1).to(k.dtype)
         dv = None if dv is None else dv.view(b, j, -1).to(v.dtype)
         return dq, dk, dv, None, None, None, None
@@ -360,10 +380,10 @@ def _buffer(
     return buf[:n]
 
 
-def _scores(qs: Tensor, kg: Tensor, valid: Tensor) -> Tensor:
-    """Scores ``(b, rows, h, t)`` of pre-scaled ``qs (b, rows, h, d)`` on gathered keys
-    ``kg (b, rows, t, d)``, blocked (in place) where not valid."""
-    return _mask_invalid(qs @ kg.transpose(-1, -2), valid)  # (b, rows, h, t)
+def _scores(qs: Tensor, kg: Tensor, valid: Tensor, scale: float) -> Tensor:
+    """Scores ``(b, rows, h, t)`` of ``qs (b, rows, h, d)`` on gathered keys
+    ``kg (b, rows, t, d)``, times ``scale`` and blocked (in place) where not valid."""
+    return _mask_invalid((qs @ kg.transpose(-1, -2)).mul_(scale), valid)  # (b, rows, h, t)
 
 
 def _mask_invalid(s: Tensor, valid: Tensor) -> Tensor:
@@ -489,7 +509,8 @@ class DeepSeekSparseAttention(nn.Module):
         c_q = mla.query_latent(x)  # (b, i, d_q)
         assert c_q is not None
         kv = mla.latents(x, offset)  # (b, i, d_c + d_r)
-        index_keys = self.indexer.keys(x, offset)  # (b, i, D)
+        with torch.no_grad():  # the indexer is not trained by this output (module docstring)
+            index_keys = self.indexer.keys(x, offset)  # (b, i, D)
         if cache is not None:
             kv = cache.append(kv, mla.kv_rank)  # (b, j, d_c + d_r)
             index_keys = cache.append_index(index_keys)
@@ -505,6 +526,10 @@ class DeepSeekSparseAttention(nn.Module):
             )  # fmt: skip
             return mla.out_proj(out), weights
         q = mla.absorb_query(q_n, q_r)  # (b, h, i, d_c + d_r)
+        del q_n, q_r  # (autograd keeps what it needs)
+        # laid out (b, i, h, d) in memory, as gather_attention reads it: the one copy is made
+        # here, where the (b, h, i, d) original is dropped at once, not beside it in the kernel
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
         c_kv = kv[..., : mla.kv_rank]  # the values: a view of the keys' first d_c channels
         o_c = gather_attention(q, kv, c_kv, indices, valid, scale=mla.scale, block=self.block)
         return mla.out_proj(mla.absorb_output(o_c)), None
