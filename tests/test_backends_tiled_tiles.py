@@ -274,8 +274,8 @@ def test_score_mod_is_called_on_the_engines_own_scores(h_kv: int, monkeypatch) -
     made: set[int] = set()
     real_bmm = tiles_module.bmm
 
-    def recording_bmm(a, b):
-        out = real_bmm(a, b)
+    def recording_bmm(*args):
+        out = real_bmm(*args)
         made.add(out.untyped_storage().data_ptr())
         return out
 

@@ -88,7 +88,10 @@ def per_element(fn: Callable[..., Tensor], *, score: bool) -> Callable[..., Tens
     grouped rows ``(b, h_kv, rows, bj)``, where ``h`` varies along two axes): one vmap level
     per axis of the broadcast shape, outermost first, each mapping the arguments that vary
     along it. Each element's value is the same in any order of levels, so the result is torch's,
-    in the scores' own layout (a view where ``fn`` does not depend on an index)."""
+    in the scores' own layout (a view where ``fn`` does not depend on an index). A mask_mod's
+    result keeps size 1 along the axes it does not depend on (vmap would expand it there): the
+    engine reads masks as broadcastable, and a tile mask expanded over heads costs ``h`` times
+    more in every pass that reads it (``any``, ``~``, ``masked_fill_``)."""
     name = getattr(fn, "__name__", type(fn).__name__)
     kind = "score_mod" if score else "mask_mod"
 
@@ -112,7 +115,10 @@ def per_element(fn: Callable[..., Tensor], *, score: bool) -> Callable[..., Tens
                 f"calls it), got shape {tuple(out.shape[len(axes) :])} for each (b, h, q_idx, "
                 "kv_idx)"
             )
-        return out.reshape(shape)
+        out = out.reshape(shape)
+        if not score:  # a mask broadcasts: size 1 where it does not depend on an index
+            out = out[tuple(slice(0, 1) if out.stride(x) == 0 else slice(None) for x in range(rank))]
+        return out
 
     tile.__name__ = name
     return tile
