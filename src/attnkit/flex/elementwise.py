@@ -28,11 +28,16 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["per_element"]
 
-try:  # what torch.vmap does for each level, called directly (private names)
-    from torch._C._functorch import _add_batch_dim, _remove_batch_dim
-    from torch._functorch.vmap import vmap_increment_nesting
+try:  # what torch.vmap does for each level, called directly (private names): the C calls,
+    # not torch's Python wrappers (a context manager and an export-mode lookup per level)
+    from torch._C._functorch import (
+        _add_batch_dim,
+        _remove_batch_dim,
+        _vmap_decrement_nesting,
+        _vmap_increment_nesting,
+    )
 except ImportError:  # pragma: no cover - torch.vmap itself, slower
-    _add_batch_dim = _remove_batch_dim = vmap_increment_nesting = None  # type: ignore[assignment]
+    _add_batch_dim = _remove_batch_dim = None  # type: ignore[assignment]
 
 
 class _IndexAsTorchDoes(TorchFunctionMode):
@@ -67,7 +72,8 @@ def _vmap(fn: Callable[..., Tensor], in_dims: tuple[int | None, ...]) -> Callabl
 
     def mapped(*args: Tensor) -> Tensor:
         n = args[axis].shape[in_dims[axis]]  # type: ignore[index]
-        with vmap_increment_nesting(n, "error") as level:
+        level = _vmap_increment_nesting(n, "error")
+        try:
             batched = [
                 a if d is None else _add_batch_dim(a, d, level)
                 for a, d in zip(args, in_dims, strict=True)
@@ -76,6 +82,8 @@ def _vmap(fn: Callable[..., Tensor], in_dims: tuple[int | None, ...]) -> Callabl
             if not isinstance(out, Tensor):  # as torch.vmap says it
                 raise ValueError(f"vmap: the mod must only return Tensors, got type {type(out)}")
             return _remove_batch_dim(out, level, n, 0)  # an unbatched result is expanded
+        finally:
+            _vmap_decrement_nesting()
 
     return mapped
 
