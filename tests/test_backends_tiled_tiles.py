@@ -274,8 +274,8 @@ def test_score_mod_is_called_on_the_engines_own_scores(h_kv: int, monkeypatch) -
     made: set[int] = set()
     real_bmm = tiles_module.bmm
 
-    def recording_bmm(a, b):
-        out = real_bmm(a, b)
+    def recording_bmm(*args):
+        out = real_bmm(*args)
         made.add(out.untyped_storage().data_ptr())
         return out
 
@@ -302,3 +302,39 @@ def test_score_mod_is_called_on_the_engines_own_scores(h_kv: int, monkeypatch) -
     assert (out - ref).abs().max() < 1e-12
     for got, want in zip(grads, ref_grads, strict=True):
         assert (got - want).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("g", [1, 3])
+def test_index_tensors_are_made_once_per_call(g: int) -> None:
+    """A score_mod's index tensors: every element of a tile in the engine's ``(b, h_kv, rows,
+    bj)`` layout gets its own ``(b, h, i, j)`` (offsets included, gathered tiles too), and a
+    contiguous tile's tensors are views of the call's (``Tiles.indices``), not new ones."""
+    h_kv, ni, nj = 2, 37, 41
+    q = torch.zeros(2, h_kv * g, ni, 8, dtype=torch.float64)
+    k = torch.zeros(2, h_kv, nj, 8, dtype=torch.float64)
+    spec = Spec(0.5, q_offset=5, k_offset=3, block_q=16, block_k=16, score_mod=lambda s, *_: s)
+    tiles = Tiles(spec, q, k)
+    made = {t.untyped_storage().data_ptr() for t in tiles.indices()}
+    gathered = torch.tensor([0, 1, 2, 20, 21, 36])
+    for qs, sel in [
+        (slice(0, 16), slice(0, 16)),
+        (slice(16, 32), slice(32, 41)),
+        (slice(32, 37), slice(16, 32)),
+        (gathered, slice(0, 16)),
+    ]:
+        b, h, i, j = tiles.index(qs, sel)
+        queries = torch.arange(ni)[qs]
+        keys = torch.arange(nj)[sel]
+        shape = (2, h_kv, queries.numel() * g, keys.numel())  # the engine's tile layout
+        rows = torch.arange(shape[2])
+        want_h = torch.arange(h_kv).view(-1, 1) * g + rows % g  # (h_kv, rows)
+        assert torch.equal(b.expand(shape), torch.arange(2).view(-1, 1, 1, 1).expand(shape))
+        assert torch.equal(h.expand(shape), want_h.view(1, h_kv, -1, 1).expand(shape))
+        assert torch.equal(
+            i.expand(shape), (queries[rows // g] + 5).view(1, 1, -1, 1).expand(shape)
+        )
+        assert torch.equal(j.expand(shape), (keys + 3).view(1, 1, 1, -1).expand(shape))
+        if g == 1:
+            assert h.shape == (1, h_kv, 1, 1)  # broadcast over rows: one value per head
+        if isinstance(qs, slice):  # views of the call's tensors, whatever the tile
+            assert {t.untyped_storage().data_ptr() for t in (h, i, j)} <= made

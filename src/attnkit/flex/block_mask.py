@@ -43,6 +43,7 @@ MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 EMPTY, PARTIAL, FULL = 0, 1, 2  # a tile's class in ``BlockMask.block_states``
 MIXED = 3  # the class differs between batches or heads (``_BlockMaskFn``)
 _EVAL_BUDGET = 1 << 22  # positions per mask_mod call in create_block_mask (4 MiB of bool)
+_PARTIAL_BUDGET = 1 << 24  # positions of a call's partial blocks kept at once (16 MiB of bool)
 
 
 def noop_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -293,6 +294,11 @@ class _BlockMaskFn:
         self.classes: list[list[int]] = torch.where(uniform, first[0, 0], MIXED).tolist()
         kept = (self.states != EMPTY).any(dim=1).any(dim=0)  # (nq, nk)
         self.kept_cols: list[list[int]] = [row.nonzero().flatten().tolist() for row in kept]
+        self.lengths = tuple(block_mask.seq_lengths)  # (Q_LEN, KV_LEN)
+        # The partial blocks' masks, evaluated once for the call (``_partial``): the forward
+        # and the backward read the same tiles, and one vmapped call costs what one tile does.
+        self.partial: tuple[Tensor, Tensor, dict[tuple[int, int], int], Tensor] | None = None
+        self.partial_tried = False
 
     def declared(self) -> StructuredFn:
         return declare(self, tile=self.classify, ranges=self.visible_keys, block=self.q_bs)
@@ -322,6 +328,9 @@ class _BlockMaskFn:
         qb0, qb1 = int(i.min()) // self.q_bs, int(i.max()) // self.q_bs
         kb0, kb1 = int(j.min()) // self.kv_bs, int(j.max()) // self.kv_bs
         if qb0 == qb1 and kb0 == kb1 and self.classes[qb0][kb0] == PARTIAL:
+            kept = self._partial(b, h, i, j, qb0, kb0)
+            if kept is not None:
+                return kept
             return _checked_mask(self.mask_mod, self.mask_mod(b, h, i, j))
         # Several blocks in this tile, or classes that differ by batch or head: by position.
         bb = b if self.batch_index else torch.zeros_like(b)
@@ -332,6 +341,58 @@ class _BlockMaskFn:
         if bool(partial.any()):
             allowed = allowed | (partial & _checked_mask(self.mask_mod, self.mask_mod(b, h, i, j)))
         return allowed
+
+    def _partial(
+        self, b: Tensor, h: Tensor, i: Tensor, j: Tensor, qb: int, kb: int
+    ) -> Tensor | None:
+        """The mask of partial block ``(qb, kb)`` when the tile ``(i, j)`` is that whole block in
+        order, read from one evaluation of every whole-sized partial block of the call (made on
+        first use, within ``_PARTIAL_BUDGET``): ``(b or 1, h or 1, q_bs, kv_bs)``, a view. None
+        where the tile is not such a block, or the call's ``b``, ``h`` differ from the first."""
+        if not self.partial_tried:
+            self.partial_tried = True
+            self.partial = self._evaluate_partial(b, h)
+        if self.partial is None:
+            return None
+        b0, h0, where, masks = self.partial
+        p = where.get((qb, kb))
+        if p is None or i.numel() != self.q_bs or j.numel() != self.kv_bs:
+            return None
+        rows = torch.arange(qb * self.q_bs, (qb + 1) * self.q_bs, device=i.device)
+        cols = torch.arange(kb * self.kv_bs, (kb + 1) * self.kv_bs, device=j.device)
+        same = b.shape == b0.shape and h.shape == h0.shape and torch.equal(b, b0)
+        same = same and torch.equal(h, h0) and torch.equal(i.flatten(), rows)
+        if not (same and torch.equal(j.flatten(), cols)):
+            return None
+        return masks[p]
+
+    def _evaluate_partial(
+        self, b: Tensor, h: Tensor
+    ) -> tuple[Tensor, Tensor, dict[tuple[int, int], int], Tensor] | None:
+        """Every partial block of whole size, evaluated in one ``mask_mod`` call (per element,
+        as torch evaluates it): the block's rows and keys along a leading axis of 5-D index
+        tensors. None when they would not fit ``_PARTIAL_BUDGET`` or ``b``, ``h`` are not 4-D."""
+        if b.dim() != 4 or h.dim() != 4:
+            return None
+        n_q, n_kv = self.lengths
+        blocks = [
+            (r, c)
+            for r, row in enumerate(self.classes)
+            for c, cls in enumerate(row)
+            if cls == PARTIAL and (r + 1) * self.q_bs <= n_q and (c + 1) * self.kv_bs <= n_kv
+        ]
+        size = len(blocks) * self.q_bs * self.kv_bs * b.numel() * h.numel()
+        if not blocks or size > _PARTIAL_BUDGET:
+            return None
+        device = b.device
+        starts = torch.tensor(blocks, device=device)  # (P, 2) block coordinates
+        i = starts[:, :1] * self.q_bs + torch.arange(self.q_bs, device=device)  # (P, q_bs)
+        j = starts[:, 1:] * self.kv_bs + torch.arange(self.kv_bs, device=device)  # (P, kv_bs)
+        masks = self.mask_mod(b.unsqueeze(0), h.unsqueeze(0), i.view(-1, 1, 1, self.q_bs, 1),
+                              j.view(-1, 1, 1, 1, self.kv_bs))  # fmt: skip
+        masks = _checked_mask(self.mask_mod, masks)  # (P, b or 1, h or 1, q_bs, kv_bs)
+        where = {block: p for p, block in enumerate(blocks)}
+        return b, h, where, masks.expand(len(blocks), *masks.shape[1:])
 
 
 def _block_sizes(BLOCK_SIZE: int | tuple[int, int]) -> tuple[int, int]:

@@ -28,11 +28,16 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["per_element"]
 
-try:  # what torch.vmap does for each level, called directly (private names)
-    from torch._C._functorch import _add_batch_dim, _remove_batch_dim
-    from torch._functorch.vmap import vmap_increment_nesting
+try:  # what torch.vmap does for each level, called directly (private names): the C calls,
+    # not torch's Python wrappers (a context manager and an export-mode lookup per level)
+    from torch._C._functorch import (
+        _add_batch_dim,
+        _remove_batch_dim,
+        _vmap_decrement_nesting,
+        _vmap_increment_nesting,
+    )
 except ImportError:  # pragma: no cover - torch.vmap itself, slower
-    _add_batch_dim = _remove_batch_dim = vmap_increment_nesting = None  # type: ignore[assignment]
+    _add_batch_dim = _remove_batch_dim = None  # type: ignore[assignment]
 
 
 class _IndexAsTorchDoes(TorchFunctionMode):
@@ -67,7 +72,8 @@ def _vmap(fn: Callable[..., Tensor], in_dims: tuple[int | None, ...]) -> Callabl
 
     def mapped(*args: Tensor) -> Tensor:
         n = args[axis].shape[in_dims[axis]]  # type: ignore[index]
-        with vmap_increment_nesting(n, "error") as level:
+        level = _vmap_increment_nesting(n, "error")
+        try:
             batched = [
                 a if d is None else _add_batch_dim(a, d, level)
                 for a, d in zip(args, in_dims, strict=True)
@@ -76,8 +82,22 @@ def _vmap(fn: Callable[..., Tensor], in_dims: tuple[int | None, ...]) -> Callabl
             if not isinstance(out, Tensor):  # as torch.vmap says it
                 raise ValueError(f"vmap: the mod must only return Tensors, got type {type(out)}")
             return _remove_batch_dim(out, level, n, 0)  # an unbatched result is expanded
+        finally:
+            _vmap_decrement_nesting()
 
     return mapped
+
+
+def _broadcast_shape(shapes: list[torch.Size]) -> tuple[int, ...]:
+    """``torch.broadcast_shapes`` of shapes of one rank, in plain Python (torch's reference
+    implementation costs about 0.1 ms, and a mod is called once per tile)."""
+    out = []
+    for sizes in zip(*shapes, strict=True):
+        big = {n for n in sizes if n != 1}
+        if len(big) > 1:
+            raise RuntimeError(f"the index tensors {[tuple(s) for s in shapes]} do not broadcast")
+        out.append(big.pop() if big else 1)
+    return tuple(out)
 
 
 def per_element(fn: Callable[..., Tensor], *, score: bool) -> Callable[..., Tensor]:
@@ -88,22 +108,31 @@ def per_element(fn: Callable[..., Tensor], *, score: bool) -> Callable[..., Tens
     grouped rows ``(b, h_kv, rows, bj)``, where ``h`` varies along two axes): one vmap level
     per axis of the broadcast shape, outermost first, each mapping the arguments that vary
     along it. Each element's value is the same in any order of levels, so the result is torch's,
-    in the scores' own layout (a view where ``fn`` does not depend on an index)."""
+    in the scores' own layout (a view where ``fn`` does not depend on an index). A mask_mod's
+    result keeps size 1 along the axes it does not depend on (vmap would expand it there): the
+    engine reads masks as broadcastable, and a tile mask expanded over heads costs ``h`` times
+    more in every pass that reads it (``any``, ``~``, ``masked_fill_``)."""
     name = getattr(fn, "__name__", type(fn).__name__)
     kind = "score_mod" if score else "mask_mod"
+
+    nested: dict[tuple, Callable[..., Tensor]] = {}  # the vmapped fn of each level pattern
 
     def tile(*args: Tensor) -> Tensor:
         rank = max(a.dim() for a in args)
         args = tuple(a.reshape((1,) * (rank - a.dim()) + tuple(a.shape)) for a in args)
-        shape = torch.broadcast_shapes(*(a.shape for a in args))
+        shape = _broadcast_shape([a.shape for a in args])
         if any(n == 0 for n in shape):  # vmap over an empty axis: nothing to call
             dtype = args[0].dtype if score else torch.bool
             return args[0].new_empty(shape, dtype=dtype)
         axes = [x for x in range(rank) if shape[x] != 1]  # one vmap level each
         squeezed = [a.reshape([a.shape[x] for x in axes if a.shape[x] != 1]) for a in args]
-        mapped = fn
-        for x in reversed(axes):  # innermost level first; outer levels peel their axis first
-            mapped = _vmap(mapped, tuple(0 if a.shape[x] != 1 else None for a in args))
+        levels = tuple(tuple(0 if a.shape[x] != 1 else None for a in args) for x in axes)
+        mapped = nested.get(levels)
+        if mapped is None:  # the same levels for every tile of a call: built once
+            mapped = fn
+            for in_dims in reversed(levels):  # innermost first; outer levels peel their axis
+                mapped = _vmap(mapped, in_dims)
+            nested[levels] = mapped
         with _IndexAsTorchDoes():
             out = mapped(*squeezed)
         if out.dim() != len(axes):  # (..., extra): not one value per element
@@ -112,7 +141,11 @@ def per_element(fn: Callable[..., Tensor], *, score: bool) -> Callable[..., Tens
                 f"calls it), got shape {tuple(out.shape[len(axes) :])} for each (b, h, q_idx, "
                 "kv_idx)"
             )
-        return out.reshape(shape)
+        out = out.reshape(shape)
+        if not score:  # a mask broadcasts: size 1 where it does not depend on an index
+            keep = [slice(0, 1) if out.stride(x) == 0 else slice(None) for x in range(rank)]
+            out = out[tuple(keep)]
+        return out
 
     tile.__name__ = name
     return tile

@@ -99,8 +99,8 @@ def _through_mod(
         record["out"], (record["in"], *leaves), grad_out, retain_graph=True, allow_unused=True
     )
     for k, g in enumerate(grads[1:]):
-        if g is not None:
-            dleaves[k] = g if dleaves[k] is None else dleaves[k] + g
+        if g is not None:  # summed in place into our own copy (g may alias grad_out)
+            dleaves[k] = g.clone() if dleaves[k] is None else dleaves[k].add_(g)
     return grads[0].flatten(0, 1)  # (b * h_kv, rows, bj)
 
 
@@ -175,6 +175,8 @@ def backward(
     if want_dbias and spec.bias is not None:
         dbias = torch.zeros(spec.bias.shape, dtype=dtype, device=q.device)
     dleaves: list[Tensor | None] = [None] * len(leaves)
+    record: dict[str, Tensor] = {}  # the score_mod's input and output on the current tile
+    modification = None if spec.score_mod is None else _recording(tiles.modification, record)
     offsets, kept = tiles.plan.by_key()  # the query tiles of each key tile
     offsets_l, kept_l = offsets.tolist(), kept.tolist()
     for kb in range(len(offsets_l) - 1):
@@ -207,10 +209,7 @@ def backward(
             q_h, q2_h, do_h, k_h, k_th, v_th = (
                 heads(t, nb, lo, hi) for t in (q_t, q2_t, do_t, k_t, k_tt, v_tt)
             )  # the tensors themselves when all heads are computed
-            record: dict[str, Tensor] = {}
-            modification = None
-            if spec.score_mod is not None:
-                modification = _recording(tiles.modification, record)
+            record.clear()
             # s = q k_t^T (modified, masked); p = exp2(s - lse2)
             s, slope = tiles.logits_and_slope(
                 q2_h, k_th, allowed, head_tile(bias, lo, hi), (qs, sel), modification

@@ -74,17 +74,19 @@ def unflat(t: Tensor, nb: int) -> Tensor:
     return t.view(nb, -1, *t.shape[1:])
 
 
-def bmm(a: Tensor, b: Tensor) -> Tensor:
-    """``torch.bmm``, with an odd batch of more than one split into an even ``bmm`` and one
-    ``mm``: a batched matmul shares its batch out among the threads, so 3 matrices on 2
-    threads take as long as 4, while a single ``mm`` uses every thread. Skipping heads makes
-    odd batches common."""
+def bmm(a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+    """``torch.bmm`` (times ``alpha``, inside the matmul: no pass of its own), with an odd
+    batch of more than one split into an even ``bmm`` and one ``mm``: a batched matmul shares
+    its batch out among the threads, so 3 matrices on 2 threads take as long as 4, while a
+    single ``mm`` uses every thread. Skipping heads makes odd batches common."""
     n = a.shape[0]
-    if n % 2 == 0 or n == 1:
+    if alpha == 1.0 and (n % 2 == 0 or n == 1):
         return torch.bmm(a, b)
     out = torch.empty(n, a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
-    torch.bmm(a[:-1], b[:-1], out=out[:-1])
-    torch.mm(a[-1], b[-1], out=out[-1])
+    if n % 2 == 0 or n == 1:
+        return torch.baddbmm(out, a, b, beta=0.0, alpha=alpha, out=out)
+    torch.baddbmm(out[:-1], a[:-1], b[:-1], beta=0.0, alpha=alpha, out=out[:-1])
+    torch.addmm(out[-1], a[-1], b[-1], beta=0.0, alpha=alpha, out=out[-1])
     return out
 
 

@@ -110,6 +110,7 @@ class Tiles:
                     for i0 in range(0, self.ni, spec.block_q)
                 ]
             )
+        self._indices: tuple[Tensor, Tensor, Tensor] | None = None  # ``indices``
         self.modification = ScoreModification(spec.softcap, spec.bias, spec.bias_fn, spec.score_mod)
         structure = None if spec.mask_fn is None else structure_of(spec.mask_fn)
         self.plan = tile_plan(
@@ -119,15 +120,35 @@ class Tiles:
     def index(self, qs: Sel, sel: Sel) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The ``(b, h, i, j)`` of each score of a tile in the engine's layout ``(b, h_kv,
         rows, bj)`` (row ``r`` is query ``r // g`` of head ``kv * g + r % g``), as index
-        tensors broadcastable to it: ``b (b, 1, 1, 1)``, ``h (1, h_kv, rows, 1)``, ``i (1, 1,
-        rows, 1)``, ``j (1, 1, 1, bj)``; what a score modification is called with, on the
-        engine's own scores (no layout copy)."""
-        i, j = self._positions(qs, sel)  # (1, 1, bi, 1), (1, 1, 1, bj)
-        g, device = self.g, self.b_idx.device
-        n_rows = i.shape[2] * g
-        h = torch.arange(self.hk, device=device).view(1, -1, 1, 1) * g  # (1, h_kv, 1, 1)
-        h = h + torch.arange(g, device=device).repeat(i.shape[2]).view(1, 1, n_rows, 1)
-        return self.b_idx, h, i.repeat_interleave(g, dim=2), j
+        tensors broadcastable to it: ``b (b, 1, 1, 1)``, ``h (1, h_kv, rows, 1)`` (``(1, h_kv,
+        1, 1)`` when ``g = 1``), ``i (1, 1, rows, 1)``, ``j (1, 1, 1, bj)``; what a score
+        modification is called with, on the engine's own scores (no layout copy).
+
+        The call's index tensors are made once (``indices``); a tile's are views of them for
+        contiguous tiles (gathered ones select their rows or keys), so a call with many tiles
+        builds no index tensor per tile."""
+        h_rows, i_rows, j_all = self.indices()
+        g = self.g
+        r = self.rows_of(qs)  # the rows of these queries, in the engine's order
+        i = i_rows[r] if isinstance(r, slice) else i_rows.index_select(0, r)
+        j = j_all[sel] if isinstance(sel, slice) else j_all.index_select(0, sel)
+        h = h_rows if g == 1 else h_rows[:, :, : i.shape[0]]  # rows repeat with period g
+        return self.b_idx, h, i.view(1, 1, -1, 1), j.view(1, 1, 1, -1)
+
+    def indices(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The call's index tensors, made on first use and kept: the head of each row ``h``
+        (``(1, h_kv, i * g, 1)``, ``(1, h_kv, 1, 1)`` when ``g = 1``), the absolute query
+        position of each row in the engine's order ``(i * g,)`` and the absolute key
+        positions ``(j,)``."""
+        if self._indices is None:
+            g, device = self.g, self.b_idx.device
+            h = torch.arange(self.hk, device=device).view(1, -1, 1, 1) * g  # (1, h_kv, 1, 1)
+            if g > 1:
+                h = h + torch.arange(g, device=device).repeat(self.ni).view(1, 1, -1, 1)
+            i = (self.order_of_queries + self.spec.q_offset).repeat_interleave(g)  # (i * g,)
+            j = torch.arange(self.nj, device=device) + self.spec.k_offset  # (j,)
+            self._indices = (h, i, j)
+        return self._indices
 
     def in_order(self, x: Tensor) -> Tensor:
         """A row-layout tensor ``(n, i * g, ...)`` in the engine's query order (each query
@@ -320,8 +341,11 @@ class Tiles:
         modification: ScoreModification,
         with_slope: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        s = bmm(q2, k_tt)  # (b * h_kv, rows, bj)
         softcap, score_mod = modification.softcap, modification.score_mod
+        # A score_mod reads natural units: the matmul gives them (its alpha undoes log2(e)),
+        # and the modified scores are brought to base 2 once, after it.
+        unit = LOG2E if score_mod is None else 1.0
+        s = bmm(q2, k_tt, 1.0 / LOG2E if score_mod is not None else 1.0)  # (b * h_kv, rows, bj)
         if bias is None and allowed is None and softcap is None and score_mod is None:
             return s, None
         slope = None
@@ -331,8 +355,10 @@ class Tiles:
                 assert at is not None, "a score_mod needs the tile's positions"
                 index = self.index(*at)
             s4, slope = modification.apply(
-                unflat(s, self.nb), bias, index, unit=LOG2E, slope=with_slope, inplace=True
+                unflat(s, self.nb), bias, index, unit=unit, slope=with_slope, inplace=True
             )  # (b, h_kv, rows, bj), the same memory as s unless a score_mod made new scores
+            if score_mod is not None:
+                s4 = s4 * LOG2E  # a new tensor: the score_mod's result may be kept by autograd
             s = s4.flatten(0, 1)
             if slope is not None:
                 slope = slope.flatten(0, 1)
