@@ -25,26 +25,16 @@ from __future__ import annotations
 import datetime as dt
 import random
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from attnkit.distributed.ddp import current_env
 from attnkit.stacks import TransformerConfig, TransformerDecoder, TransformerEncoder
-from attnkit.tasks.parallel import fit_on_ranks
-from attnkit.train.checkpoint import (
-    CONFIG_FILE,
-    FORMAT,
-    load_model_weights,
-    require_keys,
-    save_json,
-    start_run,
-)
-from attnkit.train.loop import FitOptions, TrainConfig, evaluate
-from attnkit.train.manifest import open_checkpoint
+from attnkit.tasks.runs import load_trained, run_facts, seeded, start_task
+from attnkit.train.loop import TrainConfig, evaluate
 from attnkit.viz.heatmap import plot_attention, plot_heads, save_figure
 
 __all__ = [
@@ -304,8 +294,7 @@ def most_common_baseline(data: DateData) -> float:
 
 
 def build_translator(config: TranslateConfig, seed: int) -> DateTranslator:
-    torch.manual_seed(seed)
-    return DateTranslator(config)
+    return seeded(DateTranslator, config, seed)
 
 
 def train_translate(
@@ -318,24 +307,12 @@ def train_translate(
     """Train the date translator on the seeded data, test it by greedy decoding; the metrics."""
     run = run or TranslateRun()
     seed, model_config = run.seed, run.model
-    train_config = replace(run.train, seed=seed)
-    out = Path(out) if out is not None else None
-    run_config = {
-        "format": FORMAT,
-        "task": "translate",
-        "variant": "scratch",
-        "seed": seed,
-        "n_train": run.n_train,
-        "model": asdict(model_config),
-        "train": asdict(train_config),
-    }
-    env = current_env()
-    start_run(out, run_config, resume=resume, writer=env.is_main)
+    extra = {"n_train": run.n_train}
+    task = start_task("translate", run, out=out, resume=resume, progress=progress, extra=extra)
     data = generate_dates(seed, run.n_train)
     train, val, _ = date_datasets(data)
     model = build_translator(model_config, seed)
-    options = FitOptions(out_dir=out, resume=resume, progress=progress)
-    result = fit_on_ranks(model, train, val, train_config, env, options)
+    result = task.fit(model, train, val)
     metrics = _metrics(model, data, train, val)
     wrong = [
         {"text": text, "expected": iso, "written": written}
@@ -346,11 +323,7 @@ def train_translate(
         task="translate",
         variant="scratch",
         seed=seed,
-        params=sum(p.numel() for p in model.parameters()),
-        epochs=result.best_epoch,
-        epochs_run=result.epochs_run,
-        seconds=round(result.seconds, 2),
-        threads=torch.get_num_threads(),
+        **run_facts(model, result),
         n_train=len(data.train),
         n_test=len(data.test),
         formats=len(FORMATS),
@@ -361,12 +334,13 @@ def train_translate(
         },
         wrong=wrong[:20],
     )
-    if out is not None and env.is_main:
+    if task.writes:
+        assert task.out is not None
         examples = [data.test[k] for k in range(len(FORMATS))]
-        save_json(out / "examples.json", [{"text": t, "iso": i} for t, i in examples])
+        task.save("examples.json", [{"text": t, "iso": i} for t, i in examples])
         text, iso = next((t, i) for t, i in data.test if t[0].isalpha() and "," in t)
-        metrics["alignment_png"] = plot_alignment(model, text, iso, out)
-        save_json(out / "metrics.json", metrics)
+        metrics["alignment_png"] = plot_alignment(model, text, iso, task.out)
+        task.save("metrics.json", metrics)
     return metrics
 
 
@@ -385,14 +359,8 @@ def _metrics(model: DateTranslator, data: DateData, train: dict, val: dict) -> d
 
 def evaluate_translate(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
     """Exact match of the checkpoint in ``directory`` on the test dates its seed generates."""
-    source = Path(directory) / CONFIG_FILE
-    require_keys(config, {"model": dict, "seed": int, "n_train": int}, source)
-    try:
-        model_config = TranslateConfig(**config["model"])
-    except TypeError as exc:
-        raise ValueError(f"{str(source)!r}: 'model' does not fit TranslateConfig ({exc})") from None
-    model = DateTranslator(model_config)
-    load_model_weights(model, open_checkpoint(directory))
+    keys = {"seed": int, "n_train": int}
+    model = load_trained(directory, config, TranslateConfig, DateTranslator, keys=keys)
     data = generate_dates(config["seed"], config["n_train"])
     train, val, _ = date_datasets(data)
     metrics = _metrics(model, data, train, val)
