@@ -1,5 +1,14 @@
-"""Whole small models built from attnkit's modules, beside transformers' models with the same
-weights (for tests/test_mla.py, test_dsa.py and test_gated_delta.py).
+"""Small transformers layers and whole models beside attnkit's copies with the same weights (for
+tests/test_mla.py, test_dsa.py and test_gated_delta.py), and the checks those files share.
+
+* ``deepseek_config`` / ``deepseek_attention`` / ``deepseek_forward``: one DeepseekV3Attention
+  (or DeepseekV32Attention with its indexer, ``sparse``) of the small shapes ``E, H, D_C, D_Q,
+  D_N, D_R, D_V`` with random weights, and its causal forward; ``mla_module``: attnkit's
+  ``MultiHeadLatentAttention`` of the same shapes.
+* ``qwen3_next_config`` / ``gated_delta_layer``: one Qwen3NextGatedDeltaNet of small shapes.
+* ``assert_equal_with_input_gradients``: outputs and the gradient of a random projection of
+  them with respect to the input, equal to ``1e-10``; ``assert_same_model``: logits and greedy
+  generation of a whole model pair.
 
 * ``deepseek_pair(...)``: a DeepSeek-V3- (or V3.2-) style decoder: ``MultiHeadLatentAttention``
   (or ``DeepSeekSparseAttention``) + SwiGLU ``FeedForward`` + ``RMSNorm``, every layer dense.
@@ -34,6 +43,141 @@ from attnkit.variants import AttentionVariants
 from hf_float64 import float64_module
 
 F64 = torch.float64
+# The small DeepSeek attention: width, heads, KV latent, query latent, no-RoPE / RoPE / value
+# head widths, and the DSA indexer's keys per query.
+E, H, D_C, D_Q, D_N, D_R, D_V = 32, 4, 10, 12, 6, 4, 5
+TOP_K = 5
+DSA_INDEXER = dict(index_topk=TOP_K, index_n_heads=16, index_head_dim=8)
+
+
+def deepseek_config(sparse: bool = False, **overrides):
+    """A one-layer ``DeepseekV3Config`` (``DeepseekV32Config`` with ``sparse``) of the small
+    shapes; ``overrides`` replace any setting."""
+    if sparse:
+        from transformers import DeepseekV32Config as Config
+    else:
+        from transformers import DeepseekV3Config as Config
+
+    settings = dict(
+        hidden_size=E,
+        num_attention_heads=H,
+        num_key_value_heads=H,
+        q_lora_rank=D_Q,
+        kv_lora_rank=D_C,
+        qk_nope_head_dim=D_N,
+        qk_rope_head_dim=D_R,
+        v_head_dim=D_V,
+        vocab_size=50,
+        num_hidden_layers=1,
+        intermediate_size=16,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+        attn_implementation="eager",
+        **(DSA_INDEXER if sparse else {}),
+    )
+    settings.update(overrides)
+    return Config(**settings)
+
+
+def deepseek_attention(module, sparse: bool = False, dtype=F64, **overrides):
+    """``(attention, rotary)`` of transformers' ``module`` (``DeepseekV3Attention``, or
+    ``DeepseekV32Attention`` with ``sparse``) with random weights, norms away from 1."""
+    config = deepseek_config(sparse, **overrides)
+    torch.manual_seed(0)
+    if sparse:
+        attention = module.DeepseekV32Attention(config, 0).to(dtype)
+        with torch.no_grad():
+            for name, p in attention.named_parameters():
+                if "norm" in name and name.endswith("weight"):
+                    p.uniform_(0.5, 1.5)
+            attention.indexer.k_norm.bias.normal_()
+        return attention, module.DeepseekV32RotaryEmbedding(config).to(dtype)
+    attention = module.DeepseekV3Attention(config, 0).to(dtype)
+    with torch.no_grad():
+        for name, p in attention.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_()
+    return attention, module.DeepseekV3RotaryEmbedding(config).to(dtype)
+
+
+def deepseek_forward(attention, rotary, x: Tensor) -> Tensor:
+    """Transformers' attention on ``x (b, n, E)``, causal (an additive mask, finite minimum)."""
+    b, n, _ = x.shape
+    positions = torch.arange(n)[None]
+    cos, sin = rotary(x, positions)
+    blocked = torch.finfo(x.dtype).min
+    mask = torch.full((n, n), blocked, dtype=x.dtype).triu(1).expand(b, 1, n, n)
+    return attention(x, (cos, sin), mask, position_ids=positions)[0]
+
+
+def mla_module(**overrides) -> MultiHeadLatentAttention:
+    """attnkit's ``MultiHeadLatentAttention`` of the small shapes (float32, initial weights)."""
+    settings = dict(kv_rank=D_C, nope_dim=D_N, rope_dim=D_R, v_dim=D_V, q_rank=D_Q)
+    settings.update(overrides)
+    return MultiHeadLatentAttention(E, H, **settings)
+
+
+def qwen3_next_config(**overrides):
+    """A ``Qwen3NextConfig`` whose Gated DeltaNet layers have 2 key heads of 8 and 4 value heads
+    of 6 on a width of 32; ``overrides`` set the rest."""
+    from transformers import Qwen3NextConfig
+
+    settings = dict(
+        hidden_size=32,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=6,
+        linear_conv_kernel_dim=4,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+    )
+    settings.update(overrides)
+    return Qwen3NextConfig(**settings)
+
+
+def _randomise_gated_delta(layer: nn.Module) -> None:
+    with torch.no_grad():  # away from the initial values, so every parameter matters
+        layer.norm.weight.uniform_(0.5, 1.5)
+        layer.dt_bias.normal_()
+
+
+def gated_delta_layer(module) -> nn.Module:
+    """One ``Qwen3NextGatedDeltaNet`` of transformers' ``module``, float64, random weights."""
+    config = qwen3_next_config(
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        vocab_size=50,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=16,
+    )
+    torch.manual_seed(0)
+    layer = module.Qwen3NextGatedDeltaNet(config, 0).double()
+    _randomise_gated_delta(layer)
+    return layer
+
+
+def assert_equal_with_input_gradients(out: Tensor, ref: Tensor, x: Tensor) -> None:
+    """``out == ref`` and the gradients of ``(out * w).sum()`` and ``(ref * w).sum()`` with
+    respect to ``x`` equal, for a random ``w``, to ``1e-10`` (float64)."""
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    w = torch.randn_like(ref)
+    (g_ref,) = torch.autograd.grad((ref * w).sum(), x)
+    (g_out,) = torch.autograd.grad((out * w).sum(), x)
+    torch.testing.assert_close(g_out, g_ref, rtol=0, atol=1e-10)
+
+
+def assert_same_model(hf: nn.Module, ours: nn.Module) -> None:
+    """Logits to ``1e-10`` in float64 on a batch of 2 x 11 tokens, and the same 6 greedy tokens
+    as transformers' ``generate()`` (ours through its layers' caches)."""
+    ids = torch.randint(0, 53, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=0, atol=1e-10)
+    expected = hf.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    assert torch.equal(ours.greedy(ids[:1], 6), expected)
 
 
 class TinyDecoder(nn.Module):
@@ -94,37 +238,19 @@ def _randomise(model: nn.Module, norm_range: tuple[float, float]) -> None:
 def deepseek_pair(sparse: bool = False, layers: int = 2, seed: int = 0):
     """``(hf_model, ours)``: DeepSeek-V3 (or V3.2 with ``sparse``) style, float64, eval mode."""
     if sparse:
-        from transformers import DeepseekV32Config as Config
-
         module = float64_module("deepseek_v32.modeling_deepseek_v32")
-        model_cls, extra = (
-            module.DeepseekV32ForCausalLM,
-            dict(index_topk=5, index_n_heads=16, index_head_dim=8),
-        )
+        model_cls = module.DeepseekV32ForCausalLM
     else:
-        from transformers import DeepseekV3Config as Config
-
         module = float64_module("deepseek_v3.modeling_deepseek_v3")
-        model_cls, extra = module.DeepseekV3ForCausalLM, {}
-    config = Config(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=12,
-        kv_lora_rank=10,
-        qk_nope_head_dim=6,
-        qk_rope_head_dim=4,
-        v_head_dim=5,
+        model_cls = module.DeepseekV3ForCausalLM
+    config = deepseek_config(
+        sparse,
         vocab_size=53,
         num_hidden_layers=layers,
         first_k_dense_replace=layers,  # dense MLPs only: the attention is what is compared
         intermediate_size=24,
-        max_position_embeddings=64,
-        rope_parameters={"rope_type": "default", "rope_theta": 100.0},
-        attn_implementation="eager",
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        **extra,
     )
     torch.manual_seed(seed)
     hf = model_cls(config).to(F64).eval()
@@ -206,26 +332,16 @@ def _one_plus(hf_norm: nn.Module, width: int) -> RMSNorm:
 
 def qwen3_next_pair(seed: int = 0):
     """``(hf_model, ours)``: a Qwen3-Next-style hybrid (linear, linear, full), float64, eval."""
-    from transformers import Qwen3NextConfig
-
     module = float64_module("qwen3_next.modeling_qwen3_next")
     types = ["linear_attention", "linear_attention", "full_attention"]
-    config = Qwen3NextConfig(
-        hidden_size=32,
+    config = qwen3_next_config(
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=8,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=8,
-        linear_value_head_dim=6,
-        linear_conv_kernel_dim=4,
         num_hidden_layers=len(types),
         layer_types=types,
         mlp_only_layers=list(range(len(types))),  # dense MLPs only
         vocab_size=53,
         intermediate_size=24,
-        rms_norm_eps=1e-6,
         max_position_embeddings=64,
         rope_parameters={
             "rope_type": "default",
@@ -238,11 +354,9 @@ def qwen3_next_pair(seed: int = 0):
     torch.manual_seed(seed)
     hf = module.Qwen3NextForCausalLM(config).to(F64).eval()
     _randomise(hf, (-0.4, 0.4))  # Qwen3-Next's (1 + w) norms; the output norm's w directly
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            if layer.block_type == "linear_attention":
-                layer.linear_attn.norm.weight.uniform_(0.5, 1.5)
-                layer.linear_attn.dt_bias.normal_()
+    for layer in hf.model.layers:
+        if layer.block_type == "linear_attention":
+            _randomise_gated_delta(layer.linear_attn)
     base = hf.model
     mixers = []
     for layer in base.layers:

@@ -16,85 +16,50 @@ from attnkit.dsa import SparseLatentCache, gather_attention
 
 pytest.importorskip("transformers")
 from hf_float64 import float64_module
+from modern_oracles import (
+    D_C,
+    D_N,
+    D_Q,
+    D_R,
+    D_V,
+    F64,
+    TOP_K,
+    E,
+    H,
+    assert_equal_with_input_gradients,
+    assert_same_model,
+    deepseek_attention,
+    deepseek_forward,
+    deepseek_pair,
+    mla_module,
+)
 
-F64 = torch.float64
 V32 = "deepseek_v32.modeling_deepseek_v32"
-E, H, D_C, D_Q, D_N, D_R, D_V = 32, 4, 10, 12, 6, 4, 5
-TOP_K = 5
-
-
-def _hf(module, dtype=F64, **overrides):
-    from transformers import DeepseekV32Config
-
-    settings = dict(
-        hidden_size=E,
-        num_attention_heads=H,
-        num_key_value_heads=H,
-        q_lora_rank=D_Q,
-        kv_lora_rank=D_C,
-        qk_nope_head_dim=D_N,
-        qk_rope_head_dim=D_R,
-        v_head_dim=D_V,
-        vocab_size=50,
-        num_hidden_layers=1,
-        intermediate_size=16,
-        max_position_embeddings=64,
-        rope_parameters={"rope_type": "default", "rope_theta": 100.0},
-        attn_implementation="eager",
-        index_topk=TOP_K,
-        index_n_heads=16,
-        index_head_dim=8,
-    )
-    settings.update(overrides)
-    config = DeepseekV32Config(**settings)
-    torch.manual_seed(0)
-    attention = module.DeepseekV32Attention(config, 0).to(dtype)
-    with torch.no_grad():
-        for name, p in attention.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.uniform_(0.5, 1.5)
-        attention.indexer.k_norm.bias.normal_()
-    return attention, module.DeepseekV32RotaryEmbedding(config).to(dtype)
-
-
-def _hf_forward(attention, rotary, x):
-    b, n, _ = x.shape
-    positions = torch.arange(n)[None]
-    cos, sin = rotary(x, positions)
-    blocked = torch.finfo(x.dtype).min
-    mask = torch.full((n, n), blocked, dtype=x.dtype).triu(1).expand(b, 1, n, n)
-    return attention(x, (cos, sin), mask, position_ids=positions)[0]
 
 
 @pytest.mark.parametrize("method", ["sparse", "masked"])
 def test_equals_transformers_in_float64_with_input_gradients(method):
-    hf, rotary = _hf(float64_module(V32))
+    hf, rotary = deepseek_attention(float64_module(V32), sparse=True)
     ours = DeepSeekSparseAttention.from_transformers(hf, backend="math")
     x = torch.randn(2, 15, E, dtype=F64, requires_grad=True)
-    ref = _hf_forward(hf, rotary, x)
+    ref = deepseek_forward(hf, rotary, x)
     out, weights = ours(x, method=method)
     assert weights is None
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
-    w = torch.randn_like(ref)
-    (g_ref,) = torch.autograd.grad((ref * w).sum(), x)
-    (g_out,) = torch.autograd.grad((out * w).sum(), x)
-    torch.testing.assert_close(g_out, g_ref, rtol=0, atol=1e-10)
+    assert_equal_with_input_gradients(out, ref, x)
 
 
 def test_matches_the_float32_transformers_module():
     from transformers.models.deepseek_v32 import modeling_deepseek_v32
 
-    hf, rotary = _hf(modeling_deepseek_v32, dtype=torch.float32)
+    hf, rotary = deepseek_attention(modeling_deepseek_v32, sparse=True, dtype=torch.float32)
     ours = DeepSeekSparseAttention.from_transformers(hf)
     x = torch.randn(2, 11, E)
-    torch.testing.assert_close(ours(x)[0], _hf_forward(hf, rotary, x), rtol=0, atol=2e-5)
+    torch.testing.assert_close(ours(x)[0], deepseek_forward(hf, rotary, x), rtol=0, atol=2e-5)
 
 
 def _module(top_k=TOP_K, block=4):
     torch.manual_seed(2)
-    mla = MultiHeadLatentAttention(
-        E, H, kv_rank=D_C, nope_dim=D_N, rope_dim=D_R, v_dim=D_V, q_rank=D_Q
-    )
+    mla = mla_module()
     indexer = LightningIndexer(E, D_Q, 16, 8, rope_dim=D_R, top_k=top_k)
     return DeepSeekSparseAttention(mla, indexer, block=block).double()
 
@@ -196,14 +161,7 @@ def test_a_small_deepseek_v32_model_equals_transformers_and_generates_the_same()
     """Two layers of DSA (top-5 of up to 17 keys) + SwiGLU: logits in float64 against
     DeepseekV32ForCausalLM with the same weights, and greedy decoding through
     SparseLatentCaches against its generate()."""
-    from modern_oracles import deepseek_pair
-
-    hf, ours = deepseek_pair(sparse=True)
-    ids = torch.randint(0, 53, (2, 11), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=0, atol=1e-10)
-    expected = hf.generate(ids[:1], max_new_tokens=6, do_sample=False)
-    assert torch.equal(ours.greedy(ids[:1], 6), expected)
+    assert_same_model(*deepseek_pair(sparse=True))
 
 
 class _LargestTensor:

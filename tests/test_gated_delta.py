@@ -12,8 +12,14 @@ from attnkit.gated_delta import GatedDeltaCache
 
 pytest.importorskip("transformers")
 from hf_float64 import float64_module
+from modern_oracles import (
+    F64,
+    assert_equal_with_input_gradients,
+    assert_same_model,
+    gated_delta_layer,
+    qwen3_next_pair,
+)
 
-F64 = torch.float64
 QWEN = "qwen3_next.modeling_qwen3_next"
 
 
@@ -112,56 +118,20 @@ def test_rule_keeps_the_input_dtype_and_computes_in_float32():
     assert (out.to(F64) - ref).abs().max() < 0.05
 
 
-def _config(**overrides):
-    from transformers import Qwen3NextConfig
-
-    settings = dict(
-        hidden_size=32,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=8,
-        linear_value_head_dim=6,
-        linear_conv_kernel_dim=4,
-        num_hidden_layers=1,
-        layer_types=["linear_attention"],
-        vocab_size=50,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        intermediate_size=16,
-        rms_norm_eps=1e-6,
-    )
-    settings.update(overrides)
-    return Qwen3NextConfig(**settings)
-
-
-def _hf_layer(module):
-    torch.manual_seed(0)
-    layer = module.Qwen3NextGatedDeltaNet(_config(), 0).double()
-    with torch.no_grad():  # away from the initial values, so every parameter matters
-        layer.norm.weight.uniform_(0.5, 1.5)
-        layer.dt_bias.normal_()
-    return layer
-
-
 def test_layer_equals_transformers_in_float64_with_input_gradients():
-    hf = _hf_layer(float64_module(QWEN))
+    hf = gated_delta_layer(float64_module(QWEN))
     ours = GatedDeltaNet.from_transformers(hf)
     x = torch.randn(2, 37, 32, dtype=F64, requires_grad=True)
     ref = hf(x)
     out, weights = ours(x)
     assert weights is None
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
-    w = torch.randn_like(ref)
-    (g_ref,) = torch.autograd.grad((ref * w).sum(), x)
-    (g_out,) = torch.autograd.grad((out * w).sum(), x)
-    torch.testing.assert_close(g_out, g_ref, rtol=0, atol=1e-10)
+    assert_equal_with_input_gradients(out, ref, x)
 
 
 def test_layer_matches_the_float32_transformers_module():
     from transformers.models.qwen3_next import modeling_qwen3_next
 
-    hf = _hf_layer(modeling_qwen3_next).float()
+    hf = gated_delta_layer(modeling_qwen3_next).float()
     ours = GatedDeltaNet.from_transformers(hf)
     assert ours.q_proj.weight.dtype == torch.float32
     x = torch.randn(2, 23, 32)
@@ -169,7 +139,7 @@ def test_layer_matches_the_float32_transformers_module():
 
 
 def test_cached_decoding_equals_the_full_forward():
-    hf = _hf_layer(float64_module(QWEN))
+    hf = gated_delta_layer(float64_module(QWEN))
     ours = GatedDeltaNet.from_transformers(hf)
     x = torch.randn(2, 29, 32, dtype=F64)
     full, _ = ours(x)
@@ -217,11 +187,4 @@ def test_a_small_qwen3_next_model_equals_transformers_and_generates_the_same():
     qk-norm, an output gate and partial RoPE), SwiGLU MLPs: logits in float64 against
     Qwen3NextForCausalLM with the same weights, and greedy decoding through GatedDeltaCaches
     and KVCaches against its generate()."""
-    from modern_oracles import qwen3_next_pair
-
-    hf, ours = qwen3_next_pair()
-    ids = torch.randint(0, 53, (2, 11), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=0, atol=1e-10)
-    expected = hf.generate(ids[:1], max_new_tokens=6, do_sample=False)
-    assert torch.equal(ours.greedy(ids[:1], 6), expected)
+    assert_same_model(*qwen3_next_pair())

@@ -13,55 +13,21 @@ from attnkit.mla import LatentCache
 
 pytest.importorskip("transformers")
 from hf_float64 import float64_module
+from modern_oracles import (
+    D_C,
+    D_R,
+    F64,
+    E,
+    H,
+    assert_equal_with_input_gradients,
+    assert_same_model,
+    deepseek_attention,
+    deepseek_forward,
+    deepseek_pair,
+    mla_module,
+)
 
-F64 = torch.float64
 V3 = "deepseek_v3.modeling_deepseek_v3"
-E, H, D_C, D_Q, D_N, D_R, D_V = 32, 4, 10, 12, 6, 4, 5
-
-
-def _config(**overrides):
-    from transformers import DeepseekV3Config
-
-    settings = dict(
-        hidden_size=E,
-        num_attention_heads=H,
-        num_key_value_heads=H,
-        q_lora_rank=D_Q,
-        kv_lora_rank=D_C,
-        qk_nope_head_dim=D_N,
-        qk_rope_head_dim=D_R,
-        v_head_dim=D_V,
-        vocab_size=50,
-        num_hidden_layers=1,
-        intermediate_size=16,
-        max_position_embeddings=64,
-        rope_parameters={"rope_type": "default", "rope_theta": 100.0},
-        attn_implementation="eager",
-    )
-    settings.update(overrides)
-    return DeepseekV3Config(**settings)
-
-
-def _hf(module, dtype=F64, **overrides):
-    """``(attention, rotary)`` of transformers with random weights (norms away from 1)."""
-    config = _config(**overrides)
-    torch.manual_seed(0)
-    attention = module.DeepseekV3Attention(config, 0).to(dtype)
-    with torch.no_grad():
-        for name, p in attention.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_()
-    return attention, module.DeepseekV3RotaryEmbedding(config).to(dtype)
-
-
-def _hf_forward(attention, rotary, x):
-    n = x.shape[1]
-    cos, sin = rotary(x, torch.arange(n)[None])
-    blocked = torch.finfo(x.dtype).min
-    mask = torch.full((n, n), blocked, dtype=x.dtype).triu(1)[None, None]  # additive causal
-    return attention(x, (cos, sin), mask)[0]
 
 
 CASES = [
@@ -75,34 +41,28 @@ CASES = [
 @pytest.mark.parametrize("overrides", CASES, ids=["v3", "halves", "no-q-latent", "bias"])
 @pytest.mark.parametrize("absorb", [False, True], ids=["expanded", "absorbed"])
 def test_equals_transformers_in_float64_with_input_gradients(overrides, absorb):
-    hf, rotary = _hf(float64_module(V3), **overrides)
+    hf, rotary = deepseek_attention(float64_module(V3), **overrides)
     ours = MultiHeadLatentAttention.from_transformers(hf, backend="math")
     x = torch.randn(2, 13, E, dtype=F64, requires_grad=True)
-    ref = _hf_forward(hf, rotary, x)
+    ref = deepseek_forward(hf, rotary, x)
     out, weights = ours(x, absorb=absorb)
     assert weights is None
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
-    w = torch.randn_like(ref)
-    (g_ref,) = torch.autograd.grad((ref * w).sum(), x)
-    (g_out,) = torch.autograd.grad((out * w).sum(), x)
-    torch.testing.assert_close(g_out, g_ref, rtol=0, atol=1e-10)
+    assert_equal_with_input_gradients(out, ref, x)
 
 
 def test_matches_the_float32_transformers_module():
     from transformers.models.deepseek_v3 import modeling_deepseek_v3
 
-    hf, rotary = _hf(modeling_deepseek_v3, dtype=torch.float32)
+    hf, rotary = deepseek_attention(modeling_deepseek_v3, dtype=torch.float32)
     ours = MultiHeadLatentAttention.from_transformers(hf)
     assert ours.kv_up.weight.dtype == torch.float32
     x = torch.randn(2, 11, E)
-    torch.testing.assert_close(ours(x)[0], _hf_forward(hf, rotary, x), rtol=0, atol=2e-5)
+    torch.testing.assert_close(ours(x)[0], deepseek_forward(hf, rotary, x), rtol=0, atol=2e-5)
 
 
 def _module(**kwargs):
     torch.manual_seed(1)
-    settings = dict(kv_rank=D_C, nope_dim=D_N, rope_dim=D_R, v_dim=D_V, q_rank=D_Q)
-    settings.update(kwargs)
-    m = MultiHeadLatentAttention(E, H, **settings).double()
+    m = mla_module(**kwargs).double()
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" in name:
@@ -204,7 +164,7 @@ def test_bad_input_is_named():
         m(torch.randn(2, 1, E, dtype=F64), cache=cache)
     with pytest.raises(TypeError, match="DeepseekV3Attention"):
         MultiHeadLatentAttention.from_transformers(torch.nn.Linear(2, 2))
-    hf, _ = _hf(float64_module(V3), rope_parameters={
+    hf, _ = deepseek_attention(float64_module(V3), rope_parameters={
         "rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
         "original_max_position_embeddings": 16,
     })  # fmt: skip
@@ -216,11 +176,4 @@ def test_a_small_deepseek_v3_model_equals_transformers_and_generates_the_same():
     """Embeddings, two layers of MLA + SwiGLU with RMSNorms, a head: logits in float64 against
     DeepseekV3ForCausalLM with the same weights, and greedy decoding through LatentCaches
     against its generate()."""
-    from modern_oracles import deepseek_pair
-
-    hf, ours = deepseek_pair()
-    ids = torch.randint(0, 53, (2, 11), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=0, atol=1e-10)
-    expected = hf.generate(ids[:1], max_new_tokens=6, do_sample=False)
-    assert torch.equal(ours.greedy(ids[:1], 6), expected)
+    assert_same_model(*deepseek_pair())

@@ -45,7 +45,7 @@ TEXT_ONLY = ("max_len", "limit_train", "freeze_layers")  # options only the text
 # --d-model, --heads and --layers replace.
 LEARN_SIZES = {
     "vit": (64, 4, 3),
-    "translate": (64, 4, 2),
+    "translate": (32, 4, 2),
     "forecast": (32, 4, 2),
 }
 
@@ -111,7 +111,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--limit-train",
         type=POSITIVE,
         default=None,
-        help="text: use N training snippets; translate: generate N training examples (20,000)",
+        help="text: use N training snippets; translate: generate N training examples (120,000)",
     )
     p.add_argument(
         "--threads",

@@ -4,7 +4,9 @@
 ``attnkit.tasks.text``: review snippets, from scratch or fine-tuning the bundled MiniLM
 (``train_text``); ``attnkit.tasks.registry``: re-test any checkpoint they wrote
 (``evaluate_checkpoint``); ``attnkit.tasks.parallel``: ``attnkit.train.fit`` on every rank of a
-``torchrun`` job. ``attnkit train iris|text`` and ``attnkit evaluate`` run them.
+``torchrun`` job; ``attnkit.tasks.runs``: what every task does around its own model (the run's
+settings and checkpoint, training, the reported facts, loading it back), written once.
+``attnkit train iris|text`` and ``attnkit evaluate`` run them.
 
 These sit above the library: they combine ``attnkit.models``, ``attnkit.train``,
 ``attnkit.distributed`` and ``attnkit.viz``, and only the command line imports them.

@@ -29,7 +29,7 @@ week ahead over the past weeks, averaged over layers and heads).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -39,20 +39,10 @@ from torch import Tensor, nn
 
 from attnkit.attention import MultiHeadAttention
 from attnkit.blocks import FeedForward
-from attnkit.distributed.ddp import current_env
 from attnkit.positional import sinusoidal_table
 from attnkit.stacks import TransformerConfig, TransformerEncoder
-from attnkit.tasks.parallel import fit_on_ranks
-from attnkit.train.checkpoint import (
-    CONFIG_FILE,
-    FORMAT,
-    load_model_weights,
-    require_keys,
-    save_json,
-    start_run,
-)
-from attnkit.train.loop import FitOptions, TrainConfig, predict, regression
-from attnkit.train.manifest import open_checkpoint
+from attnkit.tasks.runs import load_trained, run_facts, seeded, start_task
+from attnkit.train.loop import TrainConfig, predict, regression
 from attnkit.viz.heatmap import save_figure
 
 __all__ = [
@@ -204,8 +194,7 @@ class SeriesForecaster(nn.Module):
 
 
 def build_forecaster(config: ForecastConfig, seed: int) -> SeriesForecaster:
-    torch.manual_seed(seed)
-    return SeriesForecaster(config)
+    return seeded(SeriesForecaster, config, seed)
 
 
 def _mae(pred: Tensor, truth: Tensor) -> dict[str, float]:
@@ -290,35 +279,19 @@ def train_forecast(
     """Train the forecaster on the windows before 1994, test on 1998-2001; returns the metrics."""
     run = run or ForecastRun()
     seed, model_config = run.seed, run.model
-    train_config = replace(run.train, seed=seed)
-    if train_config.monitor != "val_loss":
+    if run.train.monitor != "val_loss":
         raise ValueError("forecast is a regression: monitor must be 'val_loss'")
-    out = Path(out) if out is not None else None
-    run_config = {
-        "format": FORMAT,
-        "task": "forecast",
-        "variant": "scratch",
-        "seed": seed,
-        "model": asdict(model_config),
-        "train": asdict(train_config),
-    }
-    env = current_env()
-    start_run(out, run_config, resume=resume, writer=env.is_main)
+    task = start_task("forecast", run, out=out, resume=resume, progress=progress)
     train, val, test, levels = co2_windows()
     model = build_forecaster(model_config, seed)
-    options = FitOptions(out_dir=out, resume=resume, progress=progress, objective=regression)
-    result = fit_on_ranks(model, train, val, train_config, env, options)
+    result = task.fit(model, train, val, objective=regression)
     metrics = _metrics(model, train, val, test)
     _, _, filled = load_co2()
     metrics.update(
         task="forecast",
         variant="scratch",
         seed=seed,
-        params=sum(p.numel() for p in model.parameters()),
-        epochs=result.best_epoch,
-        epochs_run=result.epochs_run,
-        seconds=round(result.seconds, 2),
-        threads=torch.get_num_threads(),
+        **run_facts(model, result),
         n_train=len(train["labels"]),
         n_val=len(val["labels"]),
         n_test=len(test["labels"]),
@@ -328,22 +301,17 @@ def train_forecast(
         yearly_attention=yearly_lag_share(model, test["past"]),
         yearly_attention_uniform=round(27 / CONTEXT, 4),
     )
-    if out is not None and env.is_main:
-        metrics["forecast_png"] = plot_forecast(model, test, float(levels[0]), out / "forecast.png")
-        save_json(out / "metrics.json", metrics)
+    if task.writes:
+        assert task.out is not None
+        png = task.out / "forecast.png"
+        metrics["forecast_png"] = plot_forecast(model, test, float(levels[0]), png)
+        task.save("metrics.json", metrics)
     return metrics
 
 
 def evaluate_forecast(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
     """MAE of the checkpoint in ``directory`` on the held-out years, beside the baselines."""
-    source = Path(directory) / CONFIG_FILE
-    require_keys(config, {"model": dict}, source)
-    try:
-        model_config = ForecastConfig(**config["model"])
-    except TypeError as exc:
-        raise ValueError(f"{str(source)!r}: 'model' does not fit ForecastConfig ({exc})") from None
-    model = SeriesForecaster(model_config)
-    load_model_weights(model, open_checkpoint(directory))
+    model = load_trained(directory, config, ForecastConfig, SeriesForecaster)
     train, val, test, _ = co2_windows()
     return {
         **_metrics(model, train, val, test),

@@ -11,26 +11,16 @@ when matplotlib is installed.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from attnkit.distributed.ddp import current_env
-from attnkit.models.classifiers import TabularAttentionClassifier, TabularConfig, count_parameters
-from attnkit.tasks.parallel import fit_on_ranks
-from attnkit.train.checkpoint import (
-    CONFIG_FILE,
-    FORMAT,
-    load_model_weights,
-    require_keys,
-    save_json,
-    start_run,
-)
+from attnkit.models.classifiers import TabularAttentionClassifier, TabularConfig
+from attnkit.tasks.runs import accuracies, load_trained, run_facts, seeded, start_task
 from attnkit.train.data import IRIS_FEATURES, load_iris_splits
-from attnkit.train.loop import FitOptions, TrainConfig, evaluate
-from attnkit.train.manifest import open_checkpoint
+from attnkit.train.loop import TrainConfig
 from attnkit.viz.heatmap import plot_grid, save_figure
 
 __all__ = [
@@ -70,8 +60,7 @@ class IrisRun:
 
 
 def build_iris(config: TabularConfig, seed: int) -> TabularAttentionClassifier:
-    torch.manual_seed(seed)  # the initial weights are part of the seeded run
-    return TabularAttentionClassifier(config)
+    return seeded(TabularAttentionClassifier, config, seed)
 
 
 def iris_datasets(
@@ -173,24 +162,11 @@ def train_iris(
     """
     run = run or IrisRun()
     seed, model_config = run.seed, run.model
-    train_config = replace(run.train, seed=seed)
-    out = Path(out) if out is not None else None
-    run_config = {
-        "format": FORMAT,
-        "task": "iris",
-        "variant": "scratch",
-        "seed": seed,
-        "model": asdict(model_config),
-        "train": asdict(train_config),
-    }
-    env = current_env()  # several processes under torchrun: only rank 0 writes
-    start_run(out, run_config, resume=resume, writer=env.is_main)
+    task = start_task("iris", run, out=out, resume=resume, progress=progress)
     train, val, test = iris_datasets(seed)
     model = build_iris(model_config, seed)
     started = time.perf_counter()
-    # Data parallel (a no-op on one process): attnkit.tasks.parallel.
-    options = FitOptions(out_dir=out, resume=resume, progress=progress)
-    result = fit_on_ranks(model, train, val, train_config, env, options)
+    result = task.fit(model, train, val)
     wall = time.perf_counter() - started
     metrics = _metrics(model, train, val, test)
     maps = iris_attention(model, test["features"])
@@ -198,12 +174,7 @@ def train_iris(
         task="iris",
         variant="scratch",
         seed=seed,
-        params=count_parameters(model),
-        epochs=result.best_epoch,
-        epochs_run=result.epochs_run,
-        stopped_early=result.stopped_early,
-        seconds=round(result.seconds, 2),
-        threads=torch.get_num_threads(),
+        **run_facts(model, result, stopped_early=True),
         wall_seconds=round(wall, 2),
         heads=describe_heads(maps),
         heads_summary=summarize_heads(maps),
@@ -213,10 +184,10 @@ def train_iris(
             if k in ("d_model", "num_heads", "num_layers")
         },
     )
-    if out is not None and env.is_main:
-        save_json(out / "metrics.json", metrics)
-        save_json(
-            out / "attention.json",
+    if task.writes:
+        task.save("metrics.json", metrics)
+        task.save(
+            "attention.json",
             {
                 "tokens": list(TOKENS),
                 "maps": maps.tolist(),
@@ -225,26 +196,22 @@ def train_iris(
                 "what": "mean attention weights on the test set, [layer][head][query][key]",
             },
         )
-        metrics["attention_png"] = _plot(maps, out / "attention.png")
+        assert task.out is not None
+        metrics["attention_png"] = _plot(maps, task.out / "attention.png")
     return metrics
 
 
 def _metrics(model: torch.nn.Module, train: dict, val: dict, test: dict) -> dict[str, float]:
-    return {
-        f"{name}_accuracy": round(evaluate(model, data)[1], 4)
-        for name, data in (("train", train), ("val", val), ("test", test))
-    }
+    return accuracies(model, {"train": train, "val": val, "test": test})
 
 
 def evaluate_iris(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
     """Accuracies of the checkpoint in ``directory`` on the split its ``config.json`` seeds."""
-    source = Path(directory) / CONFIG_FILE
-    require_keys(config, {"model": dict, "seed": int}, source)
-    try:
-        model_config = TabularConfig(**config["model"])
-    except TypeError as exc:  # an unknown or missing setting
-        raise ValueError(f"{str(source)!r}: 'model' does not fit TabularConfig ({exc})") from None
-    model = TabularAttentionClassifier(model_config)
-    load_model_weights(model, open_checkpoint(directory))
+    model = load_trained(
+        directory, config, TabularConfig, TabularAttentionClassifier, keys={"seed": int}
+    )
     train, val, test = iris_datasets(config["seed"])
-    return {**_metrics(model, train, val, test), "params": count_parameters(model)}
+    return {
+        **_metrics(model, train, val, test),
+        "params": sum(p.numel() for p in model.parameters()),
+    }

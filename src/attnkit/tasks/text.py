@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from attnkit.distributed.ddp import current_env
 from attnkit.models.bert_pretrained import load_pretrained
 from attnkit.models.classifiers import (
     PretrainedTextClassifier,
@@ -33,19 +32,16 @@ from attnkit.models.classifiers import (
     TextConfig,
     count_parameters,
 )
-from attnkit.tasks.parallel import fit_on_ranks
+from attnkit.tasks.runs import accuracies, run_facts, start_task
 from attnkit.train.checkpoint import (
     CONFIG_FILE,
-    FORMAT,
     json_bytes,
     json_from_bytes,
     load_model_weights,
     require_keys,
-    save_json,
-    start_run,
 )
 from attnkit.train.data import RT_LABELS, TextData, Vocab, load_rotten_tomatoes
-from attnkit.train.loop import FitOptions, TrainConfig, default_optimizer, evaluate
+from attnkit.train.loop import TrainConfig, default_optimizer, evaluate
 from attnkit.train.manifest import open_checkpoint
 from attnkit.viz.explorer import save_html
 from attnkit.viz.highlight import token_highlight_html
@@ -287,8 +283,6 @@ def train_text(
     run = run or TextRun()
     variant, seed, max_len, limit_train = run.variant, run.seed, run.max_len, run.limit_train
     default = SCRATCH_TRAIN if variant == "scratch" else PRETRAINED_TRAIN
-    train_config = replace(run.train or default, seed=seed)
-    out = Path(out) if out is not None else None
     data = load_rotten_tomatoes(seed)
     data = data.limited(limit_train)
     if variant == "scratch":
@@ -300,31 +294,25 @@ def train_text(
         config = {"freeze_layers": PRETRAINED_FREEZE, "dropout": 0.1, **run.model}
         tokenizer = _tokenizer()
         sets = _bert_sets(data, tokenizer, max_len)
-    run_config = {
-        "format": FORMAT,
-        "task": "text",
-        "variant": variant,
-        "seed": seed,
-        "max_len": max_len,
-        "limit_train": limit_train,
-        "model": config,
-        "train": asdict(train_config),
-    }
-    env = current_env()  # several processes under torchrun: only rank 0 writes
     files = {VOCAB_FILE: json_bytes(vocab.words)} if vocab is not None else None
-    start_run(out, run_config, resume=resume, writer=env.is_main, files=files)
+    task = start_task(
+        "text",
+        run,
+        out=out,
+        resume=resume,
+        progress=progress,
+        variant=variant,
+        model=config,
+        train=run.train or default,
+        extra={"max_len": max_len, "limit_train": limit_train},
+        files=files,
+    )
 
     base = baseline_tfidf(data) if run.baseline else None
     model = _build(variant, config, seed)
     train, val, test = sets
-    options = FitOptions(
-        out_dir=out,
-        resume=resume,
-        progress=progress,
-        make_optimizer=default_optimizer if variant == "scratch" else pretrained_optimizer,
-    )
-    # Data parallel (a no-op on one process): attnkit.tasks.parallel.
-    result = fit_on_ranks(model, train, val, train_config, env, options)
+    optimizer = default_optimizer if variant == "scratch" else pretrained_optimizer
+    result = task.fit(model, train, val, make_optimizer=optimizer)
     # Validation accuracy of the kept epoch is already known (same weights, eval mode); the
     # pretrained model's train accuracy is measured on the first TRAIN_EVAL snippets (a full
     # pass over 10k snippets would cost a third of the fine-tuning).
@@ -339,12 +327,8 @@ def train_text(
         task="text",
         variant=variant,
         seed=seed,
-        params=count_parameters(model),
+        **run_facts(model, result, digits=1),
         trainable_params=count_parameters(model, trainable_only=True),
-        epochs=result.best_epoch,
-        epochs_run=result.epochs_run,
-        seconds=round(result.seconds, 1),
-        threads=torch.get_num_threads(),
         n_train=len(data.train_texts),
         limit_train=limit_train,
         n_val=len(data.val_texts),
@@ -365,20 +349,18 @@ def train_text(
         {k: e[k] for k in ("text", "label", "predicted", "probability", "top_words")}
         for e in explained
     ]
-    if out is not None and env.is_main:
-        save_json(out / "words.json", explained)
+    if task.writes:
+        assert task.out is not None
+        task.save("words.json", explained)
         title = "pooling weights" if variant == "scratch" else "last-layer [CLS] attention"
-        _render(explained, title, out / "words.html")
+        _render(explained, title, task.out / "words.html")
         metrics["words_html"] = True
-        save_json(out / "metrics.json", metrics)
+        task.save("metrics.json", metrics)
     return metrics
 
 
 def _metrics(model: torch.nn.Module, train: dict, val: dict, test: dict) -> dict[str, float]:
-    return {
-        f"{name}_accuracy": round(evaluate(model, data, batch_size=128)[1], 4)
-        for name, data in (("train", train), ("val", val), ("test", test))
-    }
+    return accuracies(model, {"train": train, "val": val, "test": test}, batch_size=128)
 
 
 def evaluate_text(directory: Path, config: dict[str, Any]) -> dict[str, Any]:

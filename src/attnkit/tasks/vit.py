@@ -22,28 +22,18 @@ the digit.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from attnkit.distributed.ddp import current_env
 from attnkit.positional import sinusoidal_table
 from attnkit.stacks import TransformerConfig, TransformerEncoder
-from attnkit.tasks.parallel import fit_on_ranks
-from attnkit.train.checkpoint import (
-    CONFIG_FILE,
-    FORMAT,
-    load_model_weights,
-    require_keys,
-    save_json,
-    start_run,
-)
+from attnkit.tasks.runs import accuracies, load_trained, run_facts, seeded, start_task
 from attnkit.train.data import stratified_split
-from attnkit.train.loop import FitOptions, TrainConfig, evaluate, predict
-from attnkit.train.manifest import open_checkpoint
+from attnkit.train.loop import FitOptions, TrainConfig, predict
 from attnkit.viz.heatmap import save_figure
 from attnkit.viz.rollout import attention_rollout
 
@@ -283,8 +273,7 @@ def plot_cls_attention(
 
 
 def build_vit(config: VitConfig, seed: int) -> DigitsViT:
-    torch.manual_seed(seed)  # the initial weights are part of the seeded run
-    return DigitsViT(config)
+    return seeded(DigitsViT, config, seed)
 
 
 def train_vit(
@@ -299,22 +288,13 @@ def train_vit(
     the metrics. ``resume`` continues the run saved in ``out``."""
     run = run or VitRun()
     seed, model_config = run.seed, run.model
-    train_config = replace(run.train, seed=seed)
-    out = Path(out) if out is not None else None
-    run_config = {
-        "format": FORMAT,
-        "task": "vit",
-        "variant": model_config.positional,
-        "seed": seed,
-        "model": asdict(model_config),
-        "train": asdict(train_config),
-    }
-    env = current_env()
-    start_run(out, run_config, resume=resume, writer=env.is_main)
+    variant = model_config.positional
+    task = start_task("vit", run, out=out, resume=resume, progress=progress, variant=variant)
     train, val, test = digits_datasets()
     model = build_vit(model_config, seed)
-    options = FitOptions(out_dir=out, resume=resume, progress=progress)
-    result = fit_on_ranks(model, train, val, train_config, env, options)
+    # FitOptions is named here, in this module, so a caller can replace it (tests stop a run
+    # after its first epoch through it to check --resume).
+    result = task.fit(model, train, val, FitOptions(**task.fit_settings))
     metrics: dict[str, Any] = _metrics(model, train, val, test)
     predicted = predict(model, test).argmax(-1)
     right, wrong = _pick(test["labels"], predicted)
@@ -322,18 +302,15 @@ def train_vit(
         task="vit",
         variant=model_config.positional,
         seed=seed,
-        params=sum(p.numel() for p in model.parameters()),
-        epochs=result.best_epoch,
-        epochs_run=result.epochs_run,
-        seconds=round(result.seconds, 2),
-        threads=torch.get_num_threads(),
+        **run_facts(model, result),
         n_train=len(train["labels"]),
         n_val=len(val["labels"]),
         n_test=len(test["labels"]),
         test_errors=int((predicted != test["labels"]).sum()),
         baseline=baseline_logistic(train, val, test) if baseline else None,
     )
-    if out is not None and env.is_main:
+    if task.writes:
+        assert task.out is not None
         picks = right + wrong
         layers, rolled = cls_attention(model, test["pixels"][picks])
         metrics["attention_png"] = plot_cls_attention(
@@ -342,30 +319,19 @@ def train_vit(
             predicted[picks],
             layers,
             rolled,
-            out / "attention.png",
+            task.out / "attention.png",
         )
-        save_json(out / "metrics.json", metrics)
+        task.save("metrics.json", metrics)
     return metrics
 
 
 def _metrics(model: nn.Module, train: dict, val: dict, test: dict) -> dict[str, float]:
-    model.eval()
-    return {
-        f"{name}_accuracy": round(evaluate(model, data)[1], 4)
-        for name, data in (("train", train), ("val", val), ("test", test))
-    }
+    return accuracies(model, {"train": train, "val": val, "test": test})
 
 
 def evaluate_vit(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
     """Accuracies of the checkpoint in ``directory`` on the fixed split."""
-    source = Path(directory) / CONFIG_FILE
-    require_keys(config, {"model": dict, "seed": int}, source)
-    try:
-        model_config = VitConfig(**config["model"])
-    except TypeError as exc:
-        raise ValueError(f"{str(source)!r}: 'model' does not fit VitConfig ({exc})") from None
-    model = DigitsViT(model_config)
-    load_model_weights(model, open_checkpoint(directory))
+    model = load_trained(directory, config, VitConfig, DigitsViT, keys={"seed": int})
     train, val, test = digits_datasets()
     return {
         **_metrics(model, train, val, test),
