@@ -117,9 +117,12 @@ def _steps(model, prompt: torch.Tensor, steps: int, monkeypatch, *, padding=None
         worst = max(worst, (got - want).abs().max().item())
         assert [c.length for c in fused] == [c.length for c in ref]
         token = want[:, -1].argmax(-1, keepdim=True)
+    # float32: the summation orders' rounding, carried through the layers; bfloat16: a value
+    # at a rounding boundary may round to the next one.
+    rtol = 1e-4 if kv_dtype is None else 2**-7  # one bfloat16 step
     for a, r in zip(fused, ref, strict=True):
-        torch.testing.assert_close(a.key, r.key, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(a.value, r.value, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.key, r.key, atol=1e-4, rtol=rtol)
+        torch.testing.assert_close(a.value, r.value, atol=1e-4, rtol=rtol)
     return worst
 
 
