@@ -191,9 +191,10 @@ def _tables(model: Any, packed: _Packed, positions: int) -> tuple[Tensor, Tensor
 
 def step(model: Any, ids: Tensor, caches: list[KVCache], padding: Tensor | None = None) -> Tensor:
     """Logits ``(b, 1, V)`` of the new tokens ``ids (b, 1)`` after what ``caches`` hold, which
-    gain the tokens' keys and values (``why_not`` must have said None)."""
+    gain the tokens' keys and values (``why_not`` must have said None just before: it packed
+    the model's weights, which this reads as they are)."""
     global calls
-    packed = _packed(model)
+    packed: _Packed = model._llama_step
     first = caches[0]
     length = first.length
     b = ids.shape[0]

@@ -33,6 +33,7 @@ namespace attnkit_fused {
 namespace {
 
 using namespace quant;
+using Vec = at::vec::Vectorized<float>;
 
 // One matrix (n, k) as consecutive row blocks ("parts"), each in its own block format: a
 // ConcatLinear ([q; k; v] stored in two types) or a single QuantizedLinear.
@@ -78,9 +79,13 @@ void products(std::initializer_list<Job> jobs, int64_t m) {
 void rms_norm(const float* x, int64_t m, int64_t e, const float* weight, float eps, float* y) {
   for (int64_t r = 0; r < m; r++) {
     const float* xr = x + r * e;
-    float ss = 0.0f;
-    for (int64_t c = 0; c < e; c++) ss += xr[c] * xr[c];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(e) + eps);
+    // The mean square summed in double: within rounding of torch's pairwise float32 sum,
+    // where a plain float32 loop drifts (its error, carried through 30 layers, shows in the
+    // logits).
+    double ss = 0.0;
+    for (int64_t c = 0; c < e; c++) ss += static_cast<double>(xr[c]) * xr[c];
+    const float mean_square = static_cast<float>(ss / static_cast<double>(e));
+    const float inv = 1.0f / std::sqrt(mean_square + eps);
     for (int64_t c = 0; c < e; c++) y[r * e + c] = weight[c] * (xr[c] * inv);
   }
 }
@@ -307,9 +312,9 @@ void llama_step(const Tensor& ids, const std::vector<int64_t>& positions, const 
     rms_norm(x.data(), b, e, norms[2 * l + 1].data_ptr<float>(), eps, y.data());
     const float* ys = sums(y.data(), e);
     products({{&m[2], y.data(), ys, gate.data()}, {&m[3], y.data(), ys, up.data()}}, b);
-    for (int64_t c = 0; c < b * f; c++) {  // silu(gate) * up, silu(g) = g / (1 + exp(-g))
-      gate[c] = gate[c] / (1.0f + std::exp(-gate[c])) * up[c];
-    }
+    // silu(gate) * up, silu(g) = g / (1 + exp(-g)), as torch's vectorised silu
+    at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.0f) + g.neg().exp()) * u; }, gate.data(),
+                  gate.data(), up.data(), b * f);
     products({{&m[4], gate.data(), sums(gate.data(), f), proj.data()}}, b);
     for (int64_t c = 0; c < b * e; c++) x[c] = x[c] + proj[c];
   }
