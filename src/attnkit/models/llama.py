@@ -42,6 +42,7 @@ from attnkit._numerics import compute_dtype
 from attnkit._progress import progress
 from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.blocks import FeedForward
+from attnkit.models import llama_step
 from attnkit.models.llama_config import LlamaConfig
 from attnkit.models.llama_generate import Sampling, decode
 from attnkit.models.llama_loading import (
@@ -146,6 +147,11 @@ class LlamaModel(nn.Module):
       positions (``j = cache length + i``); ``None`` means every position is real.
     * ``last_only``: compute logits for the last position only (what generation needs; the
       output projection is the largest matmul of a step).
+
+    A decoding step (one new token over preallocated caches, no grad, no weights asked) of a
+    model whose weights stay quantised runs as one compiled call when the fused kernel is loaded
+    (``attnkit.models.llama_step``, the same values in float32); ``llama_step.why_not`` says why
+    a step takes the modules instead.
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -212,6 +218,12 @@ class LlamaModel(nn.Module):
                     f"and new positions, got {padding.dtype} {tuple(padding.shape)}"
                 )
             mask = padding[:, None, None, :]  # (b, 1, 1, j): keys that exist
+        if (
+            caches is not None
+            and i == 1
+            and llama_step.why_not(self, ids, caches, padding, need_weights) is None
+        ):  # a decoding step of a quantised model: one compiled call (llama_step.py)
+            return LlamaOutput(llama_step.step(self, ids, caches, padding))
         rope = self.angles(i, offset, padding, ids.device)
         x = self.embed(ids)  # (b, i, e)
         weights: list[Tensor] = []

@@ -306,21 +306,29 @@ void decode(const Tensor& q, const Tensor& key, const Tensor& value, int64_t len
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(),
               "fused decode: out must be contiguous float32 of q's shape ", q.sizes());
 
+  begin_parallel();
+  decode_into(q.data_ptr<float>(), q.stride(0), q.stride(1), nb, h, key, value, length, scale,
+              key_mask ? key_mask->data_ptr<bool>() : nullptr,
+              key_mask ? key_mask->stride(0) : 0, key_mask ? key_mask->stride(1) : 0,
+              out.data_ptr<float>());
+}
+
+void decode_into(const float* q, int64_t q_sb, int64_t q_sh, int64_t nb, int64_t h,
+                 const Tensor& key, const Tensor& value, int64_t length, double scale,
+                 const bool* key_mask, int64_t mask_sb, int64_t mask_sj, float* out) {
   Problem pr;
+  const int64_t hk = key.size(1), d = key.size(3);
   pr.nb = nb, pr.h = h, pr.hk = hk, pr.g = h / hk, pr.d = d, pr.d_p = (d + W - 1) / W * W;
   pr.length = length;
   pr.chunks = chunk_count(length, nb * hk, at::get_num_threads());
   pr.chunk = std::max<int64_t>(1, (length + pr.chunks - 1) / pr.chunks);
   pr.scale2 = static_cast<float>(scale * LOG2E);
-  pr.q = q.data_ptr<float>(), pr.q_sb = q.stride(0), pr.q_sh = q.stride(1);
-  pr.mask = key_mask ? key_mask->data_ptr<bool>() : nullptr;
-  pr.mask_sb = key_mask ? key_mask->stride(0) : 0;
-  pr.mask_sj = key_mask ? key_mask->stride(1) : 0;
-  begin_parallel();
+  pr.q = q, pr.q_sb = q_sb, pr.q_sh = q_sh;
+  pr.mask = key_mask, pr.mask_sb = mask_sb, pr.mask_sj = mask_sj;
   if (key.scalar_type() == at::kBFloat16) {
-    decode_kernel<at::BFloat16>(pr, key, value, out.data_ptr<float>());
+    decode_kernel<at::BFloat16>(pr, key, value, out);
   } else {
-    decode_kernel<float>(pr, key, value, out.data_ptr<float>());
+    decode_kernel<float>(pr, key, value, out);
   }
 }
 

@@ -70,9 +70,11 @@ SOURCES = (
     "fused.h",
     "forward.cpp",
     "backward.cpp",
+    "quant.h",
     "quant.cpp",
     "decode.cpp",
     "paged.cpp",
+    "step.cpp",
     "module.cpp",
 )
 BUILD_WAIT = 900.0  # seconds an explicit build waits for another process building the same key

@@ -37,11 +37,12 @@ bool bfloat16_packed_ok() {
   return true;
 }
 
-// The quantised matrix products (quant.cpp), the decode attention step (decode.cpp) and the
-// paged attention (paged.cpp) bind their own functions.
+// The quantised matrix products (quant.cpp), the decode attention step (decode.cpp), the paged
+// attention (paged.cpp) and the quantised Llama step (step.cpp) bind their own functions.
 void bind_quant(pybind11::module_& m);
 void bind_decode(pybind11::module_& m);
 void bind_paged(pybind11::module_& m);
+void bind_step(pybind11::module_& m);
 
 }  // namespace attnkit_fused
 
@@ -62,4 +63,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   attnkit_fused::bind_quant(m);
   attnkit_fused::bind_decode(m);
   attnkit_fused::bind_paged(m);
+  attnkit_fused::bind_step(m);
 }

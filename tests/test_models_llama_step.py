@@ -1,0 +1,272 @@
+"""The quantised Llama decoding step as one compiled call (``llama_step``, ``step.cpp``): the
+same logits and caches as the module path (the reference), token for token, on random
+quantised models (GQA, odd sizes, parts in several block types, tied and untied outputs,
+left padding, bfloat16 caches) and on the bundled SmolLM2; when it is taken; its threads; its
+checks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from attnkit.backends.fused import jit
+from attnkit.models import llama_step
+from attnkit.models.llama import LlamaConfig, LlamaModel
+from attnkit.quant import ConcatLinear, QuantizedEmbedding, QuantizedLinear, format_of
+from attnkit.quant import linear as quant_linear
+
+# ggml types and the byte offsets of their float16 scales in a block.
+Q4_0, Q4_1, Q8_0, F16 = 2, 3, 8, 1
+SCALES = {Q4_0: (0,), Q4_1: (0, 2), Q8_0: (0,)}
+
+# GQA (6 query heads over 2 key/value heads), head width 16, a vocabulary and FFN width that
+# are no power of two.
+SMALL = LlamaConfig(
+    vocab_size=101, embed_dim=96, num_layers=3, num_heads=6, num_kv_heads=2, ffn_dim=160
+)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The full fused module, built once (an explicit request) and loaded in this process."""
+    try:
+        module = jit.build()
+    except jit.NotBuilt as reason:
+        pytest.skip(f"the fused kernel is unavailable here: {reason}")
+    if not hasattr(module, "llama_step"):
+        pytest.skip("the fused kernel binds no llama_step")
+    return module
+
+
+@pytest.fixture
+def quant_kernel(kernel, monkeypatch):
+    """The kernel for the quantised products too (the module path's qmatmul)."""
+    monkeypatch.setattr(quant_linear, "_KERNEL", [kernel])
+    return kernel
+
+
+def _raw(kind: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Random GGUF rows of ``kind`` for an (n, k) matrix with small float16 scales."""
+    fmt = format_of(kind)
+    if kind == F16:
+        w = (torch.randn(n, k, generator=gen) * 0.05).half()
+        return w.view(torch.uint8).reshape(n, -1).clone()
+    blocks = k // fmt.block
+    raw = torch.randint(0, 256, (n, blocks, fmt.block_bytes), generator=gen, dtype=torch.uint8)
+    for at in SCALES[kind]:
+        scale = (torch.randn(n, blocks, 1, generator=gen) * 0.01).half()
+        raw[..., at : at + 2] = scale.view(torch.uint8)
+    return raw.reshape(n, -1)
+
+
+def _quantised(config: LlamaConfig, seed: int = 0) -> LlamaModel:
+    """A random model whose matrices are quantised modules: ``in_proj`` a ConcatLinear of three
+    types, the FFN in Q4_1 / Q4_0 / Q8_0, the embedding Q8_0, an untied output F16."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = LlamaModel(config).eval()
+    c = config
+    e, kv = c.embed_dim, c.num_kv_heads * c.head_dim
+
+    def q(kind: int, n: int, k: int) -> QuantizedLinear:
+        return QuantizedLinear(k, n, kind, raw=_raw(kind, n, k, gen))
+
+    model.embed = QuantizedEmbedding(c.vocab_size, e, Q8_0, raw=_raw(Q8_0, c.vocab_size, e, gen))
+    for block in model.blocks:
+        block.attn.in_proj = ConcatLinear([q(Q4_1, e, e), q(Q4_0, kv, e), q(Q8_0, kv, e)])
+        block.attn.out_proj = q(Q4_1, e, e)
+        block.ffn.gate, block.ffn.up = q(Q4_1, c.ffn_dim, e), q(Q4_0, c.ffn_dim, e)
+        block.ffn.down = q(Q8_0, e, c.ffn_dim)
+        with torch.no_grad():
+            block.attn_norm.weight.uniform_(0.5, 1.5)
+            block.ffn_norm.weight.uniform_(0.5, 1.5)
+    if model.lm_head is not None:
+        model.lm_head = q(F16, c.vocab_size, e)
+    return model
+
+
+def _module_path(monkeypatch) -> None:
+    monkeypatch.setattr(llama_step, "why_not", lambda *args, **kwargs: "the module path")
+
+
+def _steps(model, prompt: torch.Tensor, steps: int, monkeypatch, *, padding=None, kv_dtype=None):
+    """Decode ``steps`` tokens greedily with the fused step and, on copies of its caches, with
+    the module path; every step's logits and the caches must agree."""
+    b, n = prompt.shape
+    fused = model.new_caches(n + steps + 1, kv_dtype=kv_dtype)
+    ref = model.new_caches(n + steps + 1, kv_dtype=kv_dtype)
+    with torch.no_grad():
+        model(prompt, caches=fused, padding=padding)
+        out = model(prompt, caches=ref, padding=padding, last_only=True)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)  # (b, 1)
+    worst = 0.0
+    for _ in range(steps):
+        if padding is not None:
+            padding = torch.cat([padding, padding.new_ones(b, 1)], dim=1)  # (b, j + 1)
+        before = llama_step.calls
+        with torch.no_grad():
+            got = model(token, caches=fused, padding=padding).logits  # (b, 1, V)
+        assert llama_step.calls == before + 1, "the fused step was not taken"
+        with monkeypatch.context() as patch:
+            _module_path(patch)
+            with torch.no_grad():
+                want = model(token, caches=ref, padding=padding).logits
+        assert llama_step.calls == before + 1
+        worst = max(worst, (got - want).abs().max().item())
+        assert [c.length for c in fused] == [c.length for c in ref]
+        token = want[:, -1].argmax(-1, keepdim=True)
+    # float32: the summation orders' rounding, carried through the layers; bfloat16: a value
+    # at a rounding boundary may round to the next one.
+    rtol = 1e-4 if kv_dtype is None else 2**-7  # one bfloat16 step
+    for a, r in zip(fused, ref, strict=True):
+        torch.testing.assert_close(a.key, r.key, atol=1e-4, rtol=rtol)
+        torch.testing.assert_close(a.value, r.value, atol=1e-4, rtol=rtol)
+    return worst
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("n", [1, 17, 300])
+def test_step_equals_the_module_path_on_a_random_quantised_model(
+    quant_kernel, monkeypatch, n: int, tie: bool
+) -> None:
+    model = _quantised(dataclasses.replace(SMALL, tie_embeddings=tie), seed=n)
+    prompt = torch.randint(0, SMALL.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+    assert _steps(model, prompt, 20, monkeypatch) <= 1e-4
+
+
+def test_step_serves_left_padded_batches_and_bfloat16_caches(quant_kernel, monkeypatch) -> None:
+    model = _quantised(SMALL, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, SMALL.vocab_size, (3, 23), generator=gen)
+    padding = torch.ones(3, 23, dtype=torch.bool)
+    padding[0, :9] = False
+    padding[2, :22] = False  # a one-token prompt
+    assert _steps(model, prompt, 12, monkeypatch, padding=padding) <= 1e-4
+    assert _steps(model, prompt, 12, monkeypatch, kv_dtype=torch.bfloat16) <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 17, 300])
+def test_step_equals_the_module_path_on_smollm2(quant_kernel, monkeypatch, n: int) -> None:
+    from llama_oracles import _bundled_gguf
+
+    model = _bundled_gguf()
+    ids = model.encode("Once upon a time, in a small village by the sea, " * 40)[:n]
+    assert _steps(model.model, torch.tensor([ids]), 20, monkeypatch) <= 1e-4
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_the_module_paths_on_smollm2(quant_kernel, monkeypatch) -> None:
+    from llama_oracles import _bundled_gguf
+
+    model = _bundled_gguf()
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    before = llama_step.calls
+    fused = [model.generate_ids(p, 24) for p in prompts]
+    assert llama_step.calls - before >= 3 * 20
+    _module_path(monkeypatch)
+    assert fused == [model.generate_ids(p, 24) for p in prompts]
+
+
+def test_step_is_taken_only_for_quantised_weights_with_the_kernel_loaded(
+    quant_kernel, monkeypatch
+) -> None:
+    model = _quantised(SMALL)
+    prompt = torch.tensor([[5, 7, 11, 2]])
+
+    def decode(m) -> int:
+        before = llama_step.calls
+        caches = m.new_caches(12)
+        with torch.no_grad():
+            m(prompt, caches=caches)
+            for t in range(6):
+                m(torch.tensor([[t]]), caches=caches)
+        return llama_step.calls - before
+
+    assert decode(model) == 6
+    caches = model.new_caches(12)
+    with torch.no_grad():
+        model(prompt, caches=caches)
+        assert llama_step.why_not(model, prompt[:, :1], caches, need_weights=True) is not None
+    torch.manual_seed(0)
+    plain = LlamaModel(SMALL).eval()  # float32 weights: the module path
+    assert decode(plain) == 0
+    with torch.no_grad():
+        why = llama_step.why_not(plain, prompt[:, :1], plain.new_caches(4))
+    assert why is not None and "float32" in why
+    monkeypatch.setenv("ATTNKIT_FUSED", "0")
+    assert decode(model) == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_step_runs_on_every_intra_op_thread(quant_kernel, threads: int) -> None:
+    model = _quantised(SMALL)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        caches = model.new_caches(8)
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3]]), caches=caches)
+            calls = llama_step.calls
+            model(torch.tensor([[4]]), caches=caches)
+        assert llama_step.calls == calls + 1
+        assert quant_kernel.threads_used() == threads == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _arguments(model: LlamaModel) -> dict:
+    """A valid ``llama_step`` call (after a 3-token prefill), as keyword arguments."""
+    caches = model.new_caches(8)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), caches=caches)
+    packed = llama_step._packed(model)
+    cos, sin = llama_step._tables(model, packed, 8)
+    return {
+        "ids": torch.tensor([4]),
+        "positions": [3],
+        "embed": packed.embed,
+        "embed_kind": packed.embed_kind,
+        "weights": list(packed.weights),
+        "kinds": list(packed.kinds),
+        "parts": list(packed.parts),
+        "norms": list(packed.norms),
+        "keys": [c._key for c in caches],
+        "values": [c._value for c in caches],
+        "cos": cos,
+        "sin": sin,
+        "key_mask": None,
+        "sizes": dict(packed.sizes, length=3),
+        "numbers": dict(packed.numbers),
+        "logits": torch.empty(1, SMALL.vocab_size),
+    }
+
+
+BAD = [
+    ("sizes", lambda a: a["sizes"].pop("h_kv"), "sizes has no 'h_kv'"),
+    ("numbers", lambda a: a["numbers"].pop("eps"), "numbers has no 'eps'"),
+    ("ids", lambda a: a.update(ids=torch.tensor([4.0])), "ids must be a contiguous int64"),
+    ("ids", lambda a: a.update(ids=torch.tensor([101])), r"ids\[0\] = 101 is outside"),
+    ("weights", lambda a: a["weights"].__setitem__(0, a["weights"][0].float()), "weights\\[0\\]"),
+    ("weights", lambda a: a["weights"].__setitem__(1, a["weights"][1][:, :-2]), "weights\\[1\\]"),
+    ("parts", lambda a: a["parts"].__setitem__(0, 2), "parts of matrix 0"),
+    ("kinds", lambda a: a["kinds"].__setitem__(0, 99), "kinds\\[0\\] = 99"),
+    ("keys", lambda a: a["keys"].__setitem__(1, a["keys"][1][:, :1]), "cache of layer 1"),
+    ("positions", lambda a: a.update(positions=[3, 4]), "one RoPE position per row"),
+    ("logits", lambda a: a.update(logits=torch.empty(1, 7)), "logits must be"),
+    ("key_mask", lambda a: a.update(key_mask=torch.ones(1, 3, dtype=torch.bool)), "key_mask"),
+]
+
+
+@pytest.mark.parametrize(("what", "change", "match"), BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_refused_before_any_work(quant_kernel, what, change, match) -> None:
+    args = _arguments(_quantised(SMALL))
+    keys = [k.clone() for k in args["keys"]]
+    change(args)
+    with pytest.raises(RuntimeError, match=match):
+        quant_kernel.llama_step(**args)
+    # Layer 0's cache is written first: its position 3 (the new token's) is as it was.
+    written = args["keys"][0][:, :, 3]
+    assert torch.equal(keys[0][:, :, 3].view(torch.int32), written.view(torch.int32))
