@@ -41,7 +41,7 @@ def run(task: str, seed: int, threads: int, out: Path) -> dict:
     command = [sys.executable, "-m", "attnkit.cli", "train", task, "--seed", str(seed)]
     command += ["--threads", str(threads), "--quiet", "--out", str(out)]
     start = time.perf_counter()
-    subprocess.run(command, check=True)
+    subprocess.run(command, check=True, stdout=sys.stderr)  # its own table: the log, not ours
     metrics = json.loads((out / "metrics.json").read_text())
     return {"task": task, "seed": seed, "wall": time.perf_counter() - start, "metrics": metrics}
 

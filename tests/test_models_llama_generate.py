@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnkit.models.llama import PretrainedLlama, _text_pieces, load_pretrained
-from attnkit.models.llama_generate import Sampling, left_pad
+from attnkit.models.llama import PretrainedLlama, load_pretrained
+from attnkit.models.llama_generate import Sampling, left_pad, text_pieces
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -142,13 +142,13 @@ def test_generation_stops_at_the_end_of_sequence_token(tiny, monkeypatch) -> Non
 def test_stream_holds_back_unfinished_characters_and_stop_prefixes(tiny) -> None:
     text = "aé🙂 b STOP after"
     ids = tiny.encode(text)  # one token per byte: é and 🙂 span several tokens
-    pieces = list(_text_pieces(tiny.tokenizer, iter(ids), None, ()))
+    pieces = list(text_pieces(tiny.tokenizer, iter(ids), None, ()))
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert len(pieces) < len(ids)
-    stopped = list(_text_pieces(tiny.tokenizer, iter(ids), None, ("STOP",)))
+    stopped = list(text_pieces(tiny.tokenizer, iter(ids), None, ("STOP",)))
     assert "".join(stopped) == "aé🙂 b "
     assert all("S" not in p for p in stopped)
-    cut = list(_text_pieces(tiny.tokenizer, iter(tiny.encode("a STO")), None, ("STOP",)))
+    cut = list(text_pieces(tiny.tokenizer, iter(tiny.encode("a STO")), None, ("STOP",)))
     assert "".join(cut) == "a STO"  # a stop prefix at the end is text after all
 
 

@@ -44,7 +44,7 @@ from attnkit.attention import KVCache, MultiHeadAttention
 from attnkit.blocks import FeedForward
 from attnkit.models import llama_step
 from attnkit.models.llama_config import LlamaConfig
-from attnkit.models.llama_generate import Sampling, decode
+from attnkit.models.llama_generate import Sampling, decode, stop_strings, text_pieces
 from attnkit.models.llama_loading import (
     CheckpointError,
     bundled_model_path,
@@ -400,7 +400,7 @@ class PretrainedLlama:
         ``stop`` string (not included) or after ``max_new_tokens``. ``on_token`` is called with
         each generated token id (the end-of-sequence id included). Arguments are checked here,
         before the first token."""
-        stops = _stop_strings(stop)
+        stops = stop_strings(stop)
         steps = self.steps(prompt, max_new_tokens, temperature, top_k, top_p, seed)
         prompts = next(steps)
         if len(prompts) != 1:
@@ -413,7 +413,7 @@ class PretrainedLlama:
                     on_token(token)
                 yield token
 
-        return _text_pieces(self.tokenizer, tokens(), self.eos_id, stops)
+        return text_pieces(self.tokenizer, tokens(), self.eos_id, stops)
 
     def attention(self, ids: Sequence[int] | Tensor) -> Tensor:
         """Every layer's attention for one token sequence, ``(l, h, n, n)`` float32; row ``t`` is
@@ -470,11 +470,11 @@ class PretrainedLlama:
             return "".join(text)
         if on_text is not None:
             raise ValueError("on_text streams one prompt; a batch returns its texts at the end")
-        stops = _stop_strings(stop)
+        stops = stop_strings(stop)
         ids = self.generate_ids(
             prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
         )
-        return ["".join(_text_pieces(self.tokenizer, iter(row), self.eos_id, stops)) for row in ids]
+        return ["".join(text_pieces(self.tokenizer, iter(row), self.eos_id, stops)) for row in ids]
 
     def chat(
         self,
@@ -521,46 +521,6 @@ def _as_batch(prompt: object) -> list[str | list[int]]:
     raise TypeError(
         f"prompt must be text, token ids or a batch of either, got {type(prompt).__name__}"
     )
-
-
-def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if not all(isinstance(s, str) and s for s in stops):
-        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-    return stops
-
-
-def _text_pieces(
-    tokenizer: LlamaTokenizer, tokens: Iterator[int], eos_id: int | None, stops: tuple[str, ...]
-) -> Iterator[str]:
-    """Detokenise incrementally: decode everything so far and yield what is new and certain."""
-    ids: list[int] = []
-    emitted = 0
-    for token in tokens:
-        if token == eos_id:
-            break
-        ids.append(token)
-        text = tokenizer.decode(ids)
-        found = [i for i in (text.find(s, max(0, emitted - len(s))) for s in stops) if i >= 0]
-        if found:
-            end = min(found)
-            if end > emitted:
-                yield text[emitted:end]
-            return
-        # Hold back an unfinished UTF-8 character (decoded as U+FFFD) and any tail that could
-        # begin a stop string.
-        safe = len(text.rstrip("\ufffd"))
-        for s in stops:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    safe = min(safe, len(text) - k)
-                    break
-        if safe > emitted:
-            yield text[emitted:safe]
-            emitted = safe
-    text = tokenizer.decode(ids)
-    if len(text) > emitted:
-        yield text[emitted:]
 
 
 def load_pretrained(

@@ -20,12 +20,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["Sampling", "decode", "left_pad"]
+if TYPE_CHECKING:
+    from attnkit.models.llama_tokenizer import LlamaTokenizer
+
+__all__ = ["Sampling", "decode", "left_pad", "stop_strings", "text_pieces"]
 
 
 @dataclass(frozen=True)
@@ -136,3 +139,44 @@ def decode(
         step_input = token[:, None]  # (b, 1)
         if padding is not None:
             padding = torch.cat([padding, padding.new_ones(b, 1)], dim=1)  # (b, j + 1)
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The ``stop=`` argument as a tuple of non-empty strings."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return stops
+
+
+def text_pieces(
+    tokenizer: LlamaTokenizer, tokens: Iterator[int], eos_id: int | None, stops: tuple[str, ...]
+) -> Iterator[str]:
+    """Detokenise incrementally: decode everything so far and yield what is new and certain."""
+    ids: list[int] = []
+    emitted = 0
+    for token in tokens:
+        if token == eos_id:
+            break
+        ids.append(token)
+        text = tokenizer.decode(ids)
+        found = [i for i in (text.find(s, max(0, emitted - len(s))) for s in stops) if i >= 0]
+        if found:
+            end = min(found)
+            if end > emitted:
+                yield text[emitted:end]
+            return
+        # Hold back an unfinished UTF-8 character (decoded as U+FFFD) and any tail that could
+        # begin a stop string.
+        safe = len(text.rstrip("\ufffd"))
+        for s in stops:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    safe = min(safe, len(text) - k)
+                    break
+        if safe > emitted:
+            yield text[emitted:safe]
+            emitted = safe
+    text = tokenizer.decode(ids)
+    if len(text) > emitted:
+        yield text[emitted:]
