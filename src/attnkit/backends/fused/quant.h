@@ -123,6 +123,22 @@ inline void floats(const uint8_t* p, float* out) { std::memcpy(out, p, 32 * 4); 
 
 }  // namespace scalar
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// Q6_K: 32 six-bit values of sub-block ``s`` as signed bytes (-32..31), low nibbles from ``ql``
+// and the top two bits from ``qh`` (both paths widen them from here).
+inline __m256i q6_bytes(const uint8_t* ql, const uint8_t* qh, int s) {
+  const __m256i low = _mm256_and_si256(
+      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql)),
+                       _mm_cvtsi32_si128(4 * (s / 2))),
+      _mm256_set1_epi8(0x0F));
+  const __m256i top = _mm256_and_si256(
+      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)),
+                       _mm_cvtsi32_si128(2 * s)),
+      _mm256_set1_epi8(3));
+  return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)), _mm256_set1_epi8(32));
+}
+#endif
+
 #if defined(CPU_CAPABILITY_AVX512)
 
 constexpr int VL = 16;
@@ -155,16 +171,7 @@ inline Unit int8s(const uint8_t* q) {
 }
 
 inline Unit q6_bits(const uint8_t* ql, const uint8_t* qh, int s) {
-  const __m256i low = _mm256_and_si256(
-      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql)),
-                       _mm_cvtsi32_si128(4 * (s / 2))),
-      _mm256_set1_epi8(0x0F));
-  const __m256i top = _mm256_and_si256(
-      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)),
-                       _mm_cvtsi32_si128(2 * s)),
-      _mm256_set1_epi8(3));
-  const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)),
-                                    _mm256_set1_epi8(32));  // -32..31
+  const __m256i q = q6_bytes(ql, qh, s);
   return {{int32s(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
            int32s(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))}};
 }
@@ -229,16 +236,7 @@ inline Unit int8s(const uint8_t* q) {
 }
 
 inline Unit q6_bits(const uint8_t* ql, const uint8_t* qh, int s) {
-  const __m256i low = _mm256_and_si256(
-      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql)),
-                       _mm_cvtsi32_si128(4 * (s / 2))),
-      _mm256_set1_epi8(0x0F));
-  const __m256i top = _mm256_and_si256(
-      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)),
-                       _mm_cvtsi32_si128(2 * s)),
-      _mm256_set1_epi8(3));
-  const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)),
-                                    _mm256_set1_epi8(32));  // -32..31
+  const __m256i q = q6_bytes(ql, qh, s);
   const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
   return {{int32s(_mm256_cvtepi8_epi32(q0)), int32s(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q0, q0))),
            int32s(_mm256_cvtepi8_epi32(q1)), int32s(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q1, q1)))}};
