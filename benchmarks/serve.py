@@ -32,6 +32,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -131,11 +132,15 @@ def prefix_cache(url: str, system: int, rounds: int, extra: dict) -> dict:
 
 
 def start_server(argv: list[str], url: str, env: dict) -> subprocess.Popen:
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # The server's log goes to a file: a pipe nobody reads fills up (llama.cpp logs tens of
+    # kilobytes while loading) and blocks the server before it answers.
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{argv[2]} stopped: {proc.stderr.read().decode()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"{argv[2]} stopped: {log.read().decode()[-2000:]}")
         try:
             if requests.get(url + "/v1/models", timeout=1).ok:
                 return proc
