@@ -134,20 +134,21 @@ def prefix_cache(url: str, system: int, rounds: int, extra: dict) -> dict:
 def start_server(argv: list[str], url: str, env: dict) -> subprocess.Popen:
     # The server's log goes to a file: a pipe nobody reads fills up (llama.cpp logs tens of
     # kilobytes while loading) and blocks the server before it answers.
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    fd, log = tempfile.mkstemp(prefix="server-", suffix=".log")
+    with os.fdopen(fd, "wb") as sink:  # the server holds its own copy of the descriptor
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=sink)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"{argv[2]} stopped: {log.read().decode()[-2000:]}")
+            tail = Path(log).read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{argv[2]} stopped (log {log}): {tail}")
         try:
             if requests.get(url + "/v1/models", timeout=1).ok:
                 return proc
         except requests.ConnectionError:
             time.sleep(0.2)
     proc.kill()
-    raise RuntimeError(f"{argv[2]} did not start in 300 s")
+    raise RuntimeError(f"{argv[2]} did not start in 300 s (log {log})")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
