@@ -41,9 +41,9 @@ from attnkit.attention import KVCache
 from attnkit.backends.fused import jit
 from attnkit.quant import ConcatLinear, QuantizedEmbedding, QuantizedLinear
 
-__all__ = ["calls", "step", "why_not"]
+__all__ = ["calls", "paged_step", "step", "why_not", "why_not_paged"]
 
-calls = 0  # steps served by the kernel in this process (tests read it)
+calls = 0  # steps served by the kernel in this process (tests read it), dense and paged
 _CPU = torch.device("cpu")
 
 
@@ -233,3 +233,78 @@ def step(model: Any, ids: Tensor, caches: list[KVCache], padding: Tensor | None 
         cache.length += 1
     calls += 1
     return logits[:, None]  # (b, 1, V)
+
+
+def why_not_paged(model: Any, key_pools: list[Tensor], value_pools: list[Tensor]) -> str | None:
+    """Why a paged forward (``attnkit.serve.forward.paged_forward``) of ``model`` over these
+    pools (one ``(N, s, h_kv, d)`` per layer) takes the modules, in a sentence, or None when
+    ``paged_step`` serves it (checked per step: reads no file, compiles nothing)."""
+    kernel = jit.loaded()
+    if kernel is None or not hasattr(kernel, "llama_paged_step"):
+        return "the fused kernel is not loaded in this process (or binds no llama_paged_step)"
+    if torch.is_grad_enabled() or model.training:
+        return "grad is enabled or the model is training (the step has no backward)"
+    if autocast_dtype(_CPU) is not None:
+        return "the step runs on the CPU without autocast"
+    packed = _packed(model)
+    if packed.why is not None:
+        return packed.why
+    c = model.config
+    first = key_pools[0]
+    if len(key_pools) != c.num_layers or len(value_pools) != c.num_layers:
+        return "the pools do not hold one tensor per layer"
+    if first.device != _CPU or first.dtype not in (torch.float32, torch.bfloat16):
+        return "the pools are not float32 or bfloat16 CPU tensors"
+    if first.dim() != 4 or tuple(first.shape[2:]) != (c.num_kv_heads, c.head_dim):
+        return "the pools are not (N, s, h_kv, d) for this model"
+    return None
+
+
+def paged_step(
+    model: Any,
+    ids: Tensor,
+    positions: Tensor,
+    slots: Tensor,
+    block_tables: Tensor,
+    lengths: Tensor,
+    starts: Tensor,
+    out_rows: Tensor,
+    key_pools: list[Tensor],
+    value_pools: list[Tensor],
+) -> Tensor:
+    """Logits ``(len(out_rows), V)`` of the packed new tokens ``ids (t,)`` of several sequences
+    (``positions``, ``slots (t,)``, ``block_tables (b, m)``, ``lengths (b,)``, ``starts
+    (b + 1,)`` as ``attnkit.serve.forward.PagedBatch`` holds them; every tensor int64), whose
+    keys and values are written into the pools at ``slots`` (``why_not_paged`` must have said
+    None just before: it packed the model's weights, which this reads as they are)."""
+    global calls
+    packed: _Packed = model._llama_step
+    # The tables cover the model's context at once (the kernel refuses positions past them).
+    cos, sin = _tables(model, packed, int(model.config.max_len))
+    logits = torch.empty(out_rows.shape[0], model.config.vocab_size)  # (rows, V)
+    kernel = jit.loaded()
+    assert kernel is not None
+    kernel.llama_paged_step(
+        ids.contiguous(),
+        positions.contiguous(),
+        slots.contiguous(),
+        block_tables,
+        lengths.contiguous(),
+        starts.contiguous(),
+        out_rows.contiguous(),
+        packed.embed,
+        packed.embed_kind,
+        packed.weights,
+        packed.kinds,
+        packed.parts,
+        packed.norms,
+        key_pools,
+        value_pools,
+        cos,
+        sin,
+        packed.sizes,
+        packed.numbers,
+        logits,
+    )
+    calls += 1
+    return logits

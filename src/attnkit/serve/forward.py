@@ -19,12 +19,17 @@ model whose projections are quantised runs unchanged::
                 x = x + ffn(ffn_norm(x))
     logits = output(norm(x[last token of each sequence]))
 
-``ATTENTION`` is the seam where a paged-attention kernel plugs in: any function with
-``paged_attention``'s signature. While it is the reference, a step takes the compiled kernel
-(``attnkit.backends.fused.paged``) instead when this process has loaded it and it can serve the
-step (CPU, float32 queries, float32 or bfloat16 pool); asking costs no file read, and nothing is
-ever compiled on a step. ``use_fused_kernel`` loads it at a server's start: the cached build, or
-a build then when asked to (about a minute, once per machine).
+That loop is the reference. When the model's weights are kept quantised and this process has
+loaded the fused kernel, the whole step is one compiled call instead
+(``attnkit.models.llama_step.paged_step``: the same loop in C++, every token's products at
+once, the pools written at the slots); ``llama_step.why_not_paged`` says why a step takes the
+modules. ``ATTENTION`` is the seam where a paged-attention kernel plugs into the module loop:
+any function with ``paged_attention``'s signature (setting it, or passing ``attention``, keeps
+the module loop). While it is the reference, a step takes the compiled attention
+(``attnkit.backends.fused.paged``) instead when the kernel is loaded and can serve the step
+(CPU, float32 queries, float32 or bfloat16 pool); asking costs no file read, and nothing is
+ever compiled on a step. ``use_fused_kernel`` loads the kernel at a server's start: the cached
+build, or a build then when asked to (about a minute, once per machine).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from torch import Tensor
 from attnkit._numerics import compute_dtype
 from attnkit.backends.fused import jit
 from attnkit.backends.fused import paged as fused_paged
+from attnkit.models import llama_step
 from attnkit.models.llama import LlamaModel
 from attnkit.positional import RotaryEmbedding
 from attnkit.serve.paged import BlockPool, paged_attention, write_kv
@@ -130,6 +136,12 @@ def paged_forward(
 ) -> Tensor:
     """Logits ``(b, V)`` of each sequence's last new token (``(t, V)`` of every token with
     ``all_logits``); the new keys and values are written into ``pool`` on the way."""
+    if (
+        attention is None
+        and ATTENTION is paged_attention
+        and llama_step.why_not_paged(model, pool.keys, pool.values) is None
+    ):
+        return _compiled(model, batch, pool, all_logits)
     attend = attention
     c = model.config
     t = batch.ids.shape[0]
@@ -165,3 +177,23 @@ def paged_forward(
     if model.lm_head is not None:
         return model.lm_head(x)  # (b, V)
     return F.linear(x, model.embed.weight)  # (b, V): tied to the token embedding
+
+
+def _compiled(model: LlamaModel, batch: PagedBatch, pool: BlockPool, all_logits: bool) -> Tensor:
+    """``paged_forward`` as one compiled call (``llama_step.paged_step``)."""
+    ends = torch.tensor(batch.query_lengths, dtype=torch.long).cumsum(0)  # (b,)
+    starts = torch.cat([ends.new_zeros(1), ends])  # (b + 1,): sequence n owns [starts[n], ...)
+    t = batch.ids.shape[0]
+    rows = torch.arange(t) if all_logits else ends - 1  # (t,) or (b,)
+    return llama_step.paged_step(
+        model,
+        batch.ids,
+        batch.positions,
+        batch.slots,
+        batch.block_tables,
+        batch.lengths,
+        starts,
+        rows,
+        pool.keys,
+        pool.values,
+    )

@@ -348,4 +348,13 @@ void decode_into(const float* q, int64_t q_sb, int64_t q_sh, int64_t nb, int64_t
                  const Tensor& key, const Tensor& value, int64_t length, double scale,
                  const bool* key_mask, int64_t mask_sb, int64_t mask_sj, float* out);
 
+// paged.cpp's attention over a paged KV cache (see there), and its checks alone (which the
+// attention runs first): the Llama step checks the tables before it writes any pool.
+void paged_check(const Tensor& q, const Tensor& key_pool, const Tensor& value_pool,
+                 const Tensor& block_tables, const Tensor& lengths, const Tensor& starts,
+                 const Tensor& out);
+void paged(const Tensor& q, const Tensor& key_pool, const Tensor& value_pool,
+           const Tensor& block_tables, const Tensor& lengths, const Tensor& starts, double scale,
+           const Tensor& out);
+
 }  // namespace attnkit_fused

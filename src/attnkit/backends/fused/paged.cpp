@@ -327,12 +327,11 @@ void paged_kernel(const Problem& pr, const std::vector<Item>& items,
 
 }  // namespace
 
-// out = paged attention of q (t, h, d) over the pools (N, s, hk, d) through block_tables (b, m)
-// int64, with lengths (b,) int64 keys per sequence and starts (b + 1,) int64 packed query rows
-// per sequence (starts[n + 1] - starts[n] new tokens, at most lengths[n]). See paged.py.
-void paged(const Tensor& q, const Tensor& key_pool, const Tensor& value_pool,
-           const Tensor& block_tables, const Tensor& lengths, const Tensor& starts, double scale,
-           const Tensor& out) {
+// paged()'s operands checked: shapes, types, and every block a table names for a sequence's
+// keys within the pool (the kernel trusts them).
+void paged_check(const Tensor& q, const Tensor& key_pool, const Tensor& value_pool,
+                 const Tensor& block_tables, const Tensor& lengths, const Tensor& starts,
+                 const Tensor& out) {
   for (const Tensor* x : {&q, &key_pool, &value_pool, &block_tables, &lengths, &starts, &out}) {
     TORCH_CHECK(x->device().is_cpu(), "fused paged: every tensor must be on the CPU");
   }
@@ -384,7 +383,21 @@ void paged(const Tensor& q, const Tensor& key_pool, const Tensor& value_pool,
                   "] = ", block, " is not a block of the pool (N = ", n_blocks, ")");
     }
   }
+}
 
+// out = paged attention of q (t, h, d) over the pools (N, s, hk, d) through block_tables (b, m)
+// int64, with lengths (b,) int64 keys per sequence and starts (b + 1,) int64 packed query rows
+// per sequence (starts[n + 1] - starts[n] new tokens, at most lengths[n]). See paged.py.
+void paged(const Tensor& q, const Tensor& key_pool, const Tensor& value_pool,
+           const Tensor& block_tables, const Tensor& lengths, const Tensor& starts, double scale,
+           const Tensor& out) {
+  paged_check(q, key_pool, value_pool, block_tables, lengths, starts, out);
+  const int64_t h = q.size(1), d = q.size(2);
+  const int64_t s = key_pool.size(1), hk = key_pool.size(2);
+  const int64_t b = lengths.numel();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* tab = block_tables.data_ptr<int64_t>();
   Problem pr;
   pr.h = h, pr.hk = hk, pr.g = h / hk, pr.d = d, pr.d_p = (d + W - 1) / W * W, pr.s = s;
   const int64_t positions = std::max<int64_t>(1, QUERY_ROWS / pr.g);  // query positions per item

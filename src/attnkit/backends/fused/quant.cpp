@@ -51,8 +51,6 @@ namespace {
 
 using namespace quant;
 
-constexpr int64_t MATVEC_ROWS = 8;  // x rows up to which qmatmul takes the matrix-vector path
-
 // The matrix-vector path: rows of W split over torch's intra-op threads (quant.h matvec_range).
 void qmatmul_rows(int64_t kind, const float* x, int64_t m, const uint8_t* w, int64_t row_bytes,
                   int64_t n, int64_t k, float* out) {
@@ -62,46 +60,6 @@ void qmatmul_rows(int64_t kind, const float* x, int64_t m, const uint8_t* w, int
   at::parallel_for(0, n, grain, [&](int64_t c0, int64_t c1) {
     note_thread();
     matvec_range(kind, x, m, xsum.data(), w, row_bytes, k, c0, c1, out, n);
-  });
-}
-
-// The matrix-matrix path: tiles of W's rows (and of x's rows when W alone gives too few tiles
-// for the threads), each de-quantised into a thread's float32 buffer and multiplied by gemm:
-// out[:, tile] = x @ tile^T.
-template <int64_t KIND>
-void qmatmul_tiles(const float* x, int64_t m, const uint8_t* w, int64_t row_bytes, int64_t n,
-                   int64_t k, float* out) {
-  const int64_t threads = at::get_num_threads();
-  // A tile of about 64k floats (256 KiB: in L2 while gemm reads it), 16 to 128 rows, small
-  // enough that every thread gets several.
-  int64_t tile_n = std::clamp<int64_t>(65536 / k, 16, 128);
-  tile_n = std::min(tile_n, std::max<int64_t>(16, (n + 4 * threads - 1) / (4 * threads)));
-  tile_n = (tile_n + 15) / 16 * 16;
-  const int64_t n_tiles = (n + tile_n - 1) / tile_n;
-  int64_t m_tiles = 1;
-  if (n_tiles < 4 * threads) m_tiles = std::clamp<int64_t>(4 * threads / n_tiles, 1, m / 64 + 1);
-  const int64_t tile_m = (m + m_tiles - 1) / m_tiles;
-  m_tiles = (m + tile_m - 1) / tile_m;
-  at::parallel_for(0, n_tiles * m_tiles, 1, [&](int64_t begin, int64_t end) {
-    note_thread();
-    std::vector<float> tile(tile_n * k);  // this thread's de-quantised rows of W
-    int64_t held = -1;                    // the W tile in the buffer
-    for (int64_t item = begin; item < end; item++) {
-      const int64_t nt = item / m_tiles, mt = item % m_tiles;
-      const int64_t c0 = nt * tile_n, c1 = std::min(n, c0 + tile_n);
-      const int64_t r0 = mt * tile_m, r1 = std::min(m, r0 + tile_m);
-      if (held != nt) {
-        for (int64_t c = c0; c < c1; c++)
-          dequantize_row<KIND>(w + c * row_bytes, k, tile.data() + (c - c0) * k);
-        held = nt;
-      }
-      // out[r0:r1, c0:c1] = x[r0:r1] @ tile^T: torch's float32 matmul (MKL where torch has it;
-      // single-threaded inside this parallel region), written in place through strides.
-      const Tensor x_rows = at::from_blob(const_cast<float*>(x) + r0 * k, {r1 - r0, k}, at::kFloat);
-      const Tensor tile_t = at::from_blob(tile.data(), {k, c1 - c0}, {1, k}, at::kFloat);
-      Tensor out_tile = at::from_blob(out + r0 * n + c0, {r1 - r0, c1 - c0}, {n, 1}, at::kFloat);
-      at::mm_out(out_tile, x_rows, tile_t);
-    }
   });
 }
 
@@ -193,7 +151,7 @@ void qmatmul(const Tensor& x, const Tensor& w, int64_t kind, const Tensor& out) 
     return;
   }
   with_kind(kind, [&](auto kc) {
-    qmatmul_tiles<decltype(kc)::value>(xp, m, wp, w.size(1), n, k, op);
+    matmul_tiles<decltype(kc)::value>(xp, m, wp, w.size(1), n, k, op, n);
   });
 }
 

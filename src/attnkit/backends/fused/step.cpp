@@ -1,26 +1,36 @@
-// One decoding step of a Llama decoder whose matrices stay in GGUF blocks, as one call
-// (attnkit.models.llama_step): the new token of each row goes through every layer here, so a
-// token costs one Python call instead of about 30 x 10 module calls. It computes what the
-// modules compute (attnkit.models.llama, the reference), in float32 with the exact
-// de-quantised weights:
+// One forward step of a Llama decoder whose matrices stay in GGUF blocks, as one call: the new
+// tokens go through every layer here, so a step costs one Python call instead of about
+// 30 x 10 module calls. Two entry points share the layer loop (``forward`` below) and differ in
+// where the keys and values live:
 //
-//     x = embed[ids]                                                          (b, e)
+//   llama_step        one new token per row of a batch over dense caches (b, h_kv, L, d)
+//                     (attnkit.models.llama_step.step, for generate / stream / chat);
+//   llama_paged_step  the packed new tokens of several sequences, each with its own count and
+//                     cached length, over a paged pool (N, s, h_kv, d) through block tables
+//                     (attnkit.models.llama_step.paged_step, for attnkit serve).
+//
+// Both compute what the modules compute (attnkit.models.llama and attnkit.serve.forward, the
+// references), in float32 with the exact de-quantised weights:
+//
+//     x = embed[ids]                                                          (t, e)
 //     for each layer:
-//         q, k, v = in_proj(rms_norm(x, attn_norm))     q (b, h, d), k, v (b, h_kv, d)
-//         q, k = rope(q, pos), rope(k, pos)             the model's cos/sin tables
-//         cache.key[:, :, length], cache.value[:, :, length] = k, v
-//         x = x + out_proj(decode(q, cache, length + 1))       flash-decoding (decode.cpp)
+//         q, k, v = in_proj(rms_norm(x, attn_norm))     q (t, h, d), k, v (t, h_kv, d)
+//         q, k = rope(q, pos), rope(k, pos)             the model's cos/sin tables, per token
+//         cache[slot of each token] = k, v
+//         x = x + out_proj(attention(q, cache))          decode.cpp's or paged.cpp's kernel
 //         x = x + down(silu(gate(y)) * up(y)), y = rms_norm(x, ffn_norm)
-//     logits = output(rms_norm(x, norm))                                      (b, V)
+//     logits = output(rms_norm(x[rows asked for], norm))
 //
-// The products are quant.h's row kernels (W read once, de-quantised in registers); each
-// product, or the two of gate/up, is one parallel region with W's rows split statically over
-// torch's intra-op threads; the attention is decode.cpp's, called as a function. The few
-// element-wise passes in between (norms, RoPE, SwiGLU, residuals) touch b x e floats and stay
+// The products are quant.h's: up to MATVEC_ROWS rows of x take the row kernels (W read once,
+// de-quantised in registers; each product, or the two of gate/up, is one parallel region with
+// W's rows split statically over torch's intra-op threads); more rows (a prefill chunk, a wide
+// batch) take the tile path (a tile of W de-quantised, then torch's matmul). The few
+// element-wise passes in between (norms, RoPE, SwiGLU, residuals) touch t x e floats and stay
 // on the calling thread.
 //
-// Shape vocabulary: b rows (one new token each), e embed_dim, h query heads, h_kv key/value
-// heads, d head width, f ffn_dim, V vocabulary, L cache positions, l layers.
+// Shape vocabulary: t new tokens (rows), b sequences, e embed_dim, h query heads, h_kv key/value
+// heads, d head width, f ffn_dim, V vocabulary, L cache positions, l layers, N blocks of s
+// positions.
 #include <torch/extension.h>
 
 #include "fused.h"
@@ -50,12 +60,24 @@ struct Matrix {
 struct Job {
   const Matrix* mat;
   const float* x;
-  const float* xsum;  // unit_sums of x (Q4_1's m sum(x) term)
+  const float* xsum;  // unit_sums of x (Q4_1's m sum(x) term; the row kernels only)
   float* out;
 };
 
-// The jobs' rows, concatenated, split statically over the threads in one region.
+// The jobs' products. Up to MATVEC_ROWS rows of x: the jobs' rows of W, concatenated, split
+// statically over the threads in one region. More: each part by the tile path, in turn.
 void products(std::initializer_list<Job> jobs, int64_t m) {
+  if (m > MATVEC_ROWS) {
+    for (const Job& j : jobs) {
+      for (const Part& p : j.mat->parts) {
+        with_kind(p.kind, [&](auto kc) {
+          matmul_tiles<decltype(kc)::value>(j.x, m, p.w, p.row_bytes, p.n, j.mat->k,
+                                            j.out + p.first, j.mat->n);
+        });
+      }
+    }
+    return;
+  }
   int64_t total = 0, k = 1;
   for (const Job& j : jobs) total += j.mat->n, k = std::max(k, j.mat->k);
   const int64_t grain = std::max<int64_t>(1, 16384 / k);  // rows: about 16k values of work
@@ -118,68 +140,214 @@ std::string shape(const Tensor& t) {
   return s.str();
 }
 
-int64_t named_size(const Named& sizes, const char* name) {
+int64_t named_size(const Named& sizes, const char* name, const char* fn = "llama_step") {
   const auto it = sizes.find(name);
-  TORCH_CHECK(it != sizes.end(), "llama_step: sizes has no '", name,
-              "' (expected e, h, h_kv, d, ffn, vocab, layers, length)");
-  TORCH_CHECK(it->second > 0 || std::string(name) == "length", "llama_step: sizes['", name,
+  TORCH_CHECK(it != sizes.end(), fn, ": sizes has no '", name,
+              "' (expected e, h, h_kv, d, ffn, vocab, layers",
+              std::string(fn) == "llama_step" ? ", length)" : ")");
+  TORCH_CHECK(it->second > 0 || std::string(name) == "length", fn, ": sizes['", name,
               "'] must be positive, got ", it->second);
   return it->second;
 }
 
-double number(const NamedF& numbers, const char* name) {
+double number(const NamedF& numbers, const char* name, const char* fn) {
   const auto it = numbers.find(name);
-  TORCH_CHECK(it != numbers.end(), "llama_step: numbers has no '", name,
-              "' (expected eps, scale)");
+  TORCH_CHECK(it != numbers.end(), fn, ": numbers has no '", name, "' (expected eps, scale)");
   return it->second;
 }
 
-void check_floats(const char* arg, const Tensor& t, std::vector<int64_t> want) {
+void check_floats(const char* fn, const char* arg, const Tensor& t, std::vector<int64_t> want) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
                   t.sizes() == at::IntArrayRef(want),
-              "llama_step: ", arg, " must be a contiguous float32 CPU tensor of shape ",
+              fn, ": ", arg, " must be a contiguous float32 CPU tensor of shape ",
               at::IntArrayRef(want), ", got ", t.scalar_type(), " of shape ", shape(t));
 }
 
 // The matrices of the call: weights[w] are the parts, parts[x] how many make matrix x.
-std::vector<Matrix> matrices(const std::vector<Tensor>& weights, const std::vector<int64_t>& kinds,
-                             const std::vector<int64_t>& parts,
+std::vector<Matrix> matrices(const char* fn, const std::vector<Tensor>& weights,
+                             const std::vector<int64_t>& kinds, const std::vector<int64_t>& parts,
                              const std::vector<std::pair<int64_t, int64_t>>& want) {
-  TORCH_CHECK(parts.size() == want.size(), "llama_step: parts must count the parts of ",
-              want.size(), " matrices (5 per layer and the output), got ", parts.size());
-  TORCH_CHECK(kinds.size() == weights.size(), "llama_step: kinds (", kinds.size(),
+  TORCH_CHECK(parts.size() == want.size(), fn, ": parts must count the parts of ", want.size(),
+              " matrices (5 per layer and the output), got ", parts.size());
+  TORCH_CHECK(kinds.size() == weights.size(), fn, ": kinds (", kinds.size(),
               ") must give one ggml type per weight (", weights.size(), ")");
   std::vector<Matrix> out(want.size());
   size_t w = 0;
   for (size_t x = 0; x < want.size(); x++) {
     Matrix& mat = out[x];
     std::tie(mat.n, mat.k) = want[x];
-    TORCH_CHECK(parts[x] > 0 && w + parts[x] <= weights.size(), "llama_step: matrix ", x,
-                " needs ", parts[x], " parts, but only ", weights.size() - w,
+    TORCH_CHECK(parts[x] > 0 && w + parts[x] <= weights.size(), fn, ": matrix ", x, " needs ",
+                parts[x], " parts, but only ", weights.size() - w,
                 " weights are left (parts must be positive and sum to len(weights))");
     int64_t first = 0;
     for (int64_t p = 0; p < parts[x]; p++, w++) {
       const Tensor& t = weights[w];
       const Format* f = format(kinds[w]);
-      TORCH_CHECK(f != nullptr, "llama_step: kinds[", w, "] = ", kinds[w],
+      TORCH_CHECK(f != nullptr, fn, ": kinds[", w, "] = ", kinds[w],
                   " is not a supported GGUF type");
       TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kByte && t.dim() == 2 &&
                       t.is_contiguous(),
-                  "llama_step: weights[", w, "] must be a contiguous uint8 (n, row_bytes) CPU "
+                  fn, ": weights[", w, "] must be a contiguous uint8 (n, row_bytes) CPU "
                   "tensor of GGUF blocks, got ", t.scalar_type(), " of shape ", shape(t));
-      TORCH_CHECK(mat.k % f->values == 0 && t.size(1) == mat.k / f->values * f->bytes,
-                  "llama_step: weights[", w, "] of shape ", shape(t), " (", f->name,
+      TORCH_CHECK(mat.k % f->values == 0 && t.size(1) == mat.k / f->values * f->bytes, fn,
+                  ": weights[", w, "] of shape ", shape(t), " (", f->name,
                   ") must have rows of ", mat.k, " values for matrix ", x, " of shape (",
                   mat.n, ", ", mat.k, ")");
       mat.parts.push_back({t.data_ptr<uint8_t>(), kinds[w], t.size(0), t.size(1), first});
       first += t.size(0);
     }
-    TORCH_CHECK(first == mat.n, "llama_step: the parts of matrix ", x, " have ", first,
+    TORCH_CHECK(first == mat.n, fn, ": the parts of matrix ", x, " have ", first,
                 " rows in all, expected (", mat.n, ", ", mat.k, ")");
   }
-  TORCH_CHECK(w == weights.size(), "llama_step: parts count ", w, " weights, got ",
-              weights.size());
+  TORCH_CHECK(w == weights.size(), fn, ": parts count ", w, " weights, got ", weights.size());
   return out;
+}
+
+// What both steps take of the model, checked.
+struct Model {
+  int64_t e, h, hk, d, f, vocab, layers;
+  float eps;
+  double scale;
+  const uint8_t* embed;
+  int64_t embed_kind, embed_row_bytes;
+  std::vector<Matrix> mats;  // per layer in_proj, out_proj, gate, up, down; then the output
+  std::vector<const float*> norms;
+  const float* cos;
+  const float* sin;
+  int64_t table_rows;  // positions the RoPE tables cover
+};
+
+Model checked_model(const char* fn, const Tensor& embed, int64_t embed_kind,
+                    const std::vector<Tensor>& weights, const std::vector<int64_t>& kinds,
+                    const std::vector<int64_t>& parts, const std::vector<Tensor>& norms,
+                    const Tensor& cos, const Tensor& sin, const Named& sizes,
+                    const NamedF& numbers) {
+  Model M;
+  M.e = named_size(sizes, "e", fn), M.h = named_size(sizes, "h", fn);
+  M.hk = named_size(sizes, "h_kv", fn), M.d = named_size(sizes, "d", fn);
+  M.f = named_size(sizes, "ffn", fn), M.vocab = named_size(sizes, "vocab", fn);
+  M.layers = named_size(sizes, "layers", fn);
+  M.eps = static_cast<float>(number(numbers, "eps", fn));
+  M.scale = number(numbers, "scale", fn);
+  TORCH_CHECK(M.h % M.hk == 0 && M.d % 2 == 0, fn, ": h_kv = ", M.hk, " must divide h = ", M.h,
+              " and d = ", M.d, " must be even (RoPE)");
+  const Format* ef = format(embed_kind);
+  TORCH_CHECK(ef != nullptr && embed.device().is_cpu() && embed.scalar_type() == at::kByte &&
+                  embed.is_contiguous() && embed.dim() == 2 && embed.size(0) == M.vocab &&
+                  M.e % ef->values == 0 && embed.size(1) == M.e / ef->values * ef->bytes,
+              fn, ": embed must be the contiguous uint8 (vocab, row_bytes) = (", M.vocab,
+              ", bytes of ", M.e, " values) blocks of a supported type, got kind ", embed_kind,
+              ", ", embed.scalar_type(), " of shape ", shape(embed));
+  M.embed = embed.data_ptr<uint8_t>(), M.embed_kind = embed_kind;
+  M.embed_row_bytes = embed.size(1);
+  const int64_t nq = M.h * M.d, nkv = M.hk * M.d;
+  std::vector<std::pair<int64_t, int64_t>> want;
+  for (int64_t l = 0; l < M.layers; l++) {
+    want.insert(want.end(), {{nq + 2 * nkv, M.e}, {M.e, nq}, {M.f, M.e}, {M.f, M.e}, {M.e, M.f}});
+  }
+  want.push_back({M.vocab, M.e});
+  M.mats = matrices(fn, weights, kinds, parts, want);
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * M.layers + 1, fn, ": norms must hold "
+              "attn_norm and ffn_norm of each layer and the final norm (", 2 * M.layers + 1,
+              "), got ", norms.size());
+  for (const Tensor& w : norms) {
+    check_floats(fn, "every norm weight", w, {M.e});
+    M.norms.push_back(w.data_ptr<float>());
+  }
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == M.d && cos.sizes() == sin.sizes(), fn,
+              ": cos and sin must be (P, d) tables with d = ", M.d, ", got ", shape(cos),
+              " and ", shape(sin));
+  check_floats(fn, "cos", cos, {cos.size(0), M.d});
+  check_floats(fn, "sin", sin, {cos.size(0), M.d});
+  M.cos = cos.data_ptr<float>(), M.sin = sin.data_ptr<float>(), M.table_rows = cos.size(0);
+  return M;
+}
+
+// ids (t,) int64 within the vocabulary and one RoPE position per row within the tables.
+const int64_t* checked_ids(const char* fn, const Model& M, const Tensor& ids,
+                           const int64_t* positions, int64_t n_positions) {
+  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1 &&
+                  ids.is_contiguous() && ids.size(0) > 0,
+              fn, ": ids must be a contiguous int64 (t,) tensor, got ", ids.scalar_type(),
+              " of shape ", shape(ids));
+  const int64_t t = ids.size(0);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < t; r++) {
+    TORCH_CHECK(id[r] >= 0 && id[r] < M.vocab, fn, ": ids[", r, "] = ", id[r],
+                " is outside the vocabulary 0..", M.vocab - 1);
+  }
+  TORCH_CHECK(n_positions == t, fn, ": positions must give one RoPE position per row (", t,
+              "), got ", n_positions);
+  for (int64_t r = 0; r < t; r++) {
+    TORCH_CHECK(positions[r] >= 0 && positions[r] < M.table_rows, fn, ": positions[", r, "] = ",
+                positions[r], " is outside the RoPE tables' 0..", M.table_rows - 1);
+  }
+  return id;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The layer loop both steps share. ``attend(l, qkv, attn)`` gets layer l's rows
+// [q (h, d) | k (h_kv, d) | v (h_kv, d)] after RoPE (t rows, nqkv apart), stores the new keys
+// and values and writes the attention (t, h * d) into attn. Logits (n_out, V) of rows
+// ``out_rows`` (all t rows in order when null).
+
+template <typename Attend>
+void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, Attend&& attend,
+             const int64_t* out_rows, int64_t n_out, float* logits) {
+  const int64_t e = M.e, h = M.h, hk = M.hk, d = M.d, f = M.f;
+  const int64_t nq = h * d, nkv = hk * d, nqkv = nq + 2 * nkv;
+  begin_parallel();
+  // Activations, (t, width) each.
+  const int64_t rows = std::max(t, n_out);
+  std::vector<float> x(t * e), y(rows * e), qkv(t * nqkv), attn(t * nq), proj(t * e),
+      gate(t * f), up(t * f);
+  std::vector<float> xsum(rows * (std::max(e, std::max(nq, f)) / UNIT + 1));
+  with_kind(M.embed_kind, [&](auto kc) {
+    for (int64_t r = 0; r < t; r++) {
+      dequantize_row<decltype(kc)::value>(M.embed + id[r] * M.embed_row_bytes, e,
+                                          x.data() + r * e);
+    }
+  });
+  auto sums = [&](const float* v, int64_t k) -> const float* {
+    if (t > MATVEC_ROWS) return nullptr;  // the tile path needs none
+    unit_sums(v, t, k, xsum.data());
+    return xsum.data();
+  };
+  for (int64_t l = 0; l < M.layers; l++) {
+    const Matrix* m = M.mats.data() + 5 * l;  // in_proj, out_proj, gate, up, down
+    rms_norm(x.data(), t, e, M.norms[2 * l], M.eps, y.data());
+    products({{&m[0], y.data(), sums(y.data(), e), qkv.data()}}, t);
+    for (int64_t r = 0; r < t; r++) {
+      float* row = qkv.data() + r * nqkv;
+      const float* c = M.cos + pos[r] * d;
+      const float* s = M.sin + pos[r] * d;
+      rope(row, h, d, c, s);
+      rope(row + nq, hk, d, c, s);
+    }
+    attend(l, qkv.data(), attn.data());
+    products({{&m[1], attn.data(), sums(attn.data(), nq), proj.data()}}, t);
+    for (int64_t c = 0; c < t * e; c++) x[c] = x[c] + proj[c];
+    rms_norm(x.data(), t, e, M.norms[2 * l + 1], M.eps, y.data());
+    const float* ys = sums(y.data(), e);
+    products({{&m[2], y.data(), ys, gate.data()}, {&m[3], y.data(), ys, up.data()}}, t);
+    // silu(gate) * up, silu(g) = g / (1 + exp(-g)), as torch's vectorised silu
+    at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.0f) + g.neg().exp()) * u; }, gate.data(),
+                  gate.data(), up.data(), t * f);
+    products({{&m[4], gate.data(), sums(gate.data(), f), proj.data()}}, t);
+    for (int64_t c = 0; c < t * e; c++) x[c] = x[c] + proj[c];
+  }
+  if (out_rows != nullptr) {  // the rows asked for, gathered (a row may be asked for twice)
+    std::vector<float> picked(n_out * e);
+    for (int64_t r = 0; r < n_out; r++) {
+      std::copy_n(x.data() + out_rows[r] * e, e, picked.data() + r * e);
+    }
+    rms_norm(picked.data(), n_out, e, M.norms[2 * M.layers], M.eps, y.data());
+  } else {
+    rms_norm(x.data(), t, e, M.norms[2 * M.layers], M.eps, y.data());
+  }
+  const float* ys = n_out <= MATVEC_ROWS ? (unit_sums(y.data(), n_out, e, xsum.data()), xsum.data())
+                                         : nullptr;
+  products({{&M.mats.back(), y.data(), ys, logits}}, n_out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -191,50 +359,19 @@ void llama_step(const Tensor& ids, const std::vector<int64_t>& positions, const 
                 const std::vector<Tensor>& values, const Tensor& cos, const Tensor& sin,
                 const Opt& key_mask, const Named& sizes, const NamedF& numbers,
                 const Tensor& logits) {
-  const int64_t e = named_size(sizes, "e"), h = named_size(sizes, "h");
-  const int64_t hk = named_size(sizes, "h_kv"), d = named_size(sizes, "d");
-  const int64_t f = named_size(sizes, "ffn"), vocab = named_size(sizes, "vocab");
-  const int64_t layers = named_size(sizes, "layers"), length = named_size(sizes, "length");
-  const float eps = static_cast<float>(number(numbers, "eps"));
-  const double scale = number(numbers, "scale");
-  TORCH_CHECK(h % hk == 0 && d % 2 == 0, "llama_step: h_kv = ", hk, " must divide h = ", h,
-              " and d = ", d, " must be even (RoPE)");
-  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1 &&
-                  ids.is_contiguous() && ids.size(0) > 0,
-              "llama_step: ids must be a contiguous int64 (b,) tensor, got ", ids.scalar_type(),
-              " of shape ", shape(ids));
-  const int64_t b = ids.size(0);
-  const int64_t* id = ids.data_ptr<int64_t>();
-  for (int64_t r = 0; r < b; r++) {
-    TORCH_CHECK(id[r] >= 0 && id[r] < vocab, "llama_step: ids[", r, "] = ", id[r],
-                " is outside the vocabulary 0..", vocab - 1);
-  }
-  TORCH_CHECK(static_cast<int64_t>(positions.size()) == b, "llama_step: positions must give one "
-              "RoPE position per row (", b, "), got ", positions.size());
-  const Format* ef = format(embed_kind);
-  TORCH_CHECK(ef != nullptr && embed.device().is_cpu() && embed.scalar_type() == at::kByte &&
-                  embed.is_contiguous() && embed.dim() == 2 && embed.size(0) == vocab &&
-                  e % ef->values == 0 && embed.size(1) == e / ef->values * ef->bytes,
-              "llama_step: embed must be the contiguous uint8 (vocab, row_bytes) = (", vocab,
-              ", bytes of ", e, " values) blocks of a supported type, got kind ", embed_kind,
-              ", ", embed.scalar_type(), " of shape ", shape(embed));
-  const int64_t nq = h * d, nkv = hk * d, nqkv = nq + 2 * nkv;
-  std::vector<std::pair<int64_t, int64_t>> want;
-  for (int64_t l = 0; l < layers; l++) {
-    want.insert(want.end(), {{nqkv, e}, {e, nq}, {f, e}, {f, e}, {e, f}});
-  }
-  want.push_back({vocab, e});
-  const std::vector<Matrix> mats = matrices(weights, kinds, parts, want);
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers + 1, "llama_step: norms must "
-              "hold attn_norm and ffn_norm of each layer and the final norm (", 2 * layers + 1,
-              "), got ", norms.size());
-  for (const Tensor& w : norms) check_floats("every norm weight", w, {e});
-  TORCH_CHECK(static_cast<int64_t>(keys.size()) == layers &&
-                  static_cast<int64_t>(values.size()) == layers,
-              "llama_step: keys and values must hold one cache tensor per layer (", layers,
+  const char* fn = "llama_step";
+  const Model M = checked_model(fn, embed, embed_kind, weights, kinds, parts, norms, cos, sin,
+                                sizes, numbers);
+  const int64_t length = named_size(sizes, "length");
+  const int64_t* id = checked_ids(fn, M, ids, positions.data(),
+                                  static_cast<int64_t>(positions.size()));
+  const int64_t b = ids.size(0), hk = M.hk, d = M.d, nq = M.h * d, nkv = hk * d;
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == M.layers &&
+                  static_cast<int64_t>(values.size()) == M.layers,
+              "llama_step: keys and values must hold one cache tensor per layer (", M.layers,
               "), got ", keys.size(), " and ", values.size());
   const auto kv_dtype = keys[0].scalar_type();
-  for (int64_t l = 0; l < layers; l++) {
+  for (int64_t l = 0; l < M.layers; l++) {
     for (const Tensor* t : {&keys[l], &values[l]}) {
       TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == kv_dtype &&
                       (kv_dtype == at::kFloat || kv_dtype == at::kBFloat16) && t->dim() == 4 &&
@@ -245,15 +382,6 @@ void llama_step(const Tensor& ids, const std::vector<int64_t>& positions, const 
                   " contiguous in d; got ", t->scalar_type(), " of shape ", shape(*t));
     }
   }
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == d && cos.sizes() == sin.sizes(),
-              "llama_step: cos and sin must be (P, d) tables with d = ", d, ", got ", shape(cos),
-              " and ", shape(sin));
-  check_floats("cos", cos, {cos.size(0), d});
-  check_floats("sin", sin, {cos.size(0), d});
-  for (int64_t r = 0; r < b; r++) {
-    TORCH_CHECK(positions[r] >= 0 && positions[r] < cos.size(0), "llama_step: positions[", r,
-                "] = ", positions[r], " is outside the RoPE tables' 0..", cos.size(0) - 1);
-  }
   const bool* mask = nullptr;
   if (key_mask) {
     TORCH_CHECK(key_mask->device().is_cpu() && key_mask->scalar_type() == at::kBool &&
@@ -263,35 +391,14 @@ void llama_step(const Tensor& ids, const std::vector<int64_t>& positions, const 
                 "), got ", key_mask->scalar_type(), " of shape ", shape(*key_mask));
     mask = key_mask->data_ptr<bool>();
   }
-  check_floats("logits", logits, {b, vocab});
+  check_floats(fn, "logits", logits, {b, M.vocab});
 
-  begin_parallel();
-  // Activations, (b, width) each.
-  std::vector<float> x(b * e), y(b * e), qkv(b * nqkv), attn(b * nq), proj(b * e),
-      gate(b * f), up(b * f);
-  std::vector<float> xsum(b * (std::max(e, std::max(nq, f)) / UNIT + 1));
-  with_kind(embed_kind, [&](auto kc) {
-    for (int64_t r = 0; r < b; r++) {
-      dequantize_row<decltype(kc)::value>(embed.data_ptr<uint8_t>() + id[r] * embed.size(1), e,
-                                          x.data() + r * e);
-    }
-  });
-  auto sums = [&](const float* v, int64_t k) {
-    unit_sums(v, b, k, xsum.data());
-    return xsum.data();
-  };
-  for (int64_t l = 0; l < layers; l++) {
-    const Matrix* m = mats.data() + 5 * l;  // in_proj, out_proj, gate, up, down
-    rms_norm(x.data(), b, e, norms[2 * l].data_ptr<float>(), eps, y.data());
-    products({{&m[0], y.data(), sums(y.data(), e), qkv.data()}}, b);
+  auto attend = [&](int64_t l, const float* qkv, float* attn) {
     const Tensor& key = keys[l];
     const Tensor& value = values[l];
-    for (int64_t r = 0; r < b; r++) {
-      float* row = qkv.data() + r * nqkv;  // [q (h, d) | k (h_kv, d) | v (h_kv, d)]
-      const float* c = cos.data_ptr<float>() + positions[r] * d;
-      const float* s = sin.data_ptr<float>() + positions[r] * d;
-      rope(row, h, d, c, s);
-      rope(row + nq, hk, d, c, s);
+    const int64_t nqkv = nq + 2 * nkv;
+    for (int64_t r = 0; r < b; r++) {  // the new key and value rows at position length
+      const float* row = qkv + r * nqkv;
       for (int64_t g = 0; g < hk; g++) {
         const int64_t at_k = r * key.stride(0) + g * key.stride(1) + length * key.stride(2);
         const int64_t at_v = r * value.stride(0) + g * value.stride(1) + length * value.stride(2);
@@ -304,22 +411,98 @@ void llama_step(const Tensor& ids, const std::vector<int64_t>& positions, const 
         }
       }
     }
-    decode_into(qkv.data(), nqkv, d, b, h, key, value, length + 1, scale, mask,
-                key_mask ? key_mask->stride(0) : 0, key_mask ? key_mask->stride(1) : 0,
-                attn.data());
-    products({{&m[1], attn.data(), sums(attn.data(), nq), proj.data()}}, b);
-    for (int64_t c = 0; c < b * e; c++) x[c] = x[c] + proj[c];
-    rms_norm(x.data(), b, e, norms[2 * l + 1].data_ptr<float>(), eps, y.data());
-    const float* ys = sums(y.data(), e);
-    products({{&m[2], y.data(), ys, gate.data()}, {&m[3], y.data(), ys, up.data()}}, b);
-    // silu(gate) * up, silu(g) = g / (1 + exp(-g)), as torch's vectorised silu
-    at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.0f) + g.neg().exp()) * u; }, gate.data(),
-                  gate.data(), up.data(), b * f);
-    products({{&m[4], gate.data(), sums(gate.data(), f), proj.data()}}, b);
-    for (int64_t c = 0; c < b * e; c++) x[c] = x[c] + proj[c];
+    decode_into(qkv, nqkv, d, b, M.h, key, value, length + 1, M.scale, mask,
+                key_mask ? key_mask->stride(0) : 0, key_mask ? key_mask->stride(1) : 0, attn);
+  };
+  forward(M, id, b, positions.data(), attend, nullptr, b, logits.data_ptr<float>());
+}
+
+void llama_paged_step(const Tensor& ids, const Tensor& positions, const Tensor& slots,
+                      const Tensor& block_tables, const Tensor& lengths, const Tensor& starts,
+                      const Tensor& out_rows, const Tensor& embed, int64_t embed_kind,
+                      const std::vector<Tensor>& weights, const std::vector<int64_t>& kinds,
+                      const std::vector<int64_t>& parts, const std::vector<Tensor>& norms,
+                      const std::vector<Tensor>& key_pools,
+                      const std::vector<Tensor>& value_pools, const Tensor& cos,
+                      const Tensor& sin, const Named& sizes, const NamedF& numbers,
+                      const Tensor& logits) {
+  const char* fn = "llama_paged_step";
+  const Model M = checked_model(fn, embed, embed_kind, weights, kinds, parts, norms, cos, sin,
+                                sizes, numbers);
+  for (const auto& [arg, x] : {std::pair<const char*, const Tensor*>{"positions", &positions},
+                               {"slots", &slots}, {"out_rows", &out_rows}}) {
+    TORCH_CHECK(x->device().is_cpu() && x->scalar_type() == at::kLong && x->dim() == 1 &&
+                    x->is_contiguous(),
+                fn, ": ", arg, " must be a contiguous int64 1-D tensor, got ", x->scalar_type(),
+                " of shape ", shape(*x));
   }
-  rms_norm(x.data(), b, e, norms[2 * layers].data_ptr<float>(), eps, y.data());
-  products({{&mats.back(), y.data(), sums(y.data(), e), logits.data_ptr<float>()}}, b);
+  const int64_t* id = checked_ids(fn, M, ids, positions.data_ptr<int64_t>(), positions.numel());
+  const int64_t t = ids.size(0), hk = M.hk, d = M.d, nq = M.h * d, nkv = hk * d;
+  TORCH_CHECK(static_cast<int64_t>(key_pools.size()) == M.layers &&
+                  static_cast<int64_t>(value_pools.size()) == M.layers,
+              fn, ": key_pools and value_pools must hold one pool per layer (", M.layers,
+              "), got ", key_pools.size(), " and ", value_pools.size());
+  const Tensor& first = key_pools[0];
+  for (int64_t l = 0; l < M.layers; l++) {
+    for (const Tensor* p : {&key_pools[l], &value_pools[l]}) {
+      TORCH_CHECK(p->device().is_cpu() && p->scalar_type() == first.scalar_type() &&
+                      (first.scalar_type() == at::kFloat ||
+                       first.scalar_type() == at::kBFloat16) &&
+                      p->dim() == 4 && p->sizes() == first.sizes() &&
+                      p->strides() == first.strides() && p->size(2) == hk && p->size(3) == d &&
+                      p->stride(3) == 1,
+                  fn, ": the pools of layer ", l, " must be (N, s, h_kv, d) with h_kv = ", hk,
+                  ", d = ", d, ", float32 or bfloat16, shaped and strided like layer 0's keys ",
+                  shape(first), ", contiguous in d; got ", p->scalar_type(), " of shape ",
+                  shape(*p));
+    }
+  }
+  const int64_t n_slots = first.size(0) * first.size(1), s = first.size(1);
+  TORCH_CHECK(slots.numel() == t, fn, ": slots must give one pool slot per row (", t, "), got ",
+              slots.numel());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < t; r++) {
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < n_slots, fn, ": slots[", r, "] = ", slot[r],
+                " is outside the pool's 0..", n_slots - 1, " (N * s)");
+  }
+  const int64_t n_out = out_rows.numel();
+  const int64_t* rows = out_rows.data_ptr<int64_t>();
+  TORCH_CHECK(n_out > 0, fn, ": out_rows must name at least one row");
+  for (int64_t r = 0; r < n_out; r++) {
+    TORCH_CHECK(rows[r] >= 0 && rows[r] < t, fn, ": out_rows[", r, "] = ", rows[r],
+                " is not a row of the t = ", t, " new tokens");
+  }
+  check_floats(fn, "logits", logits, {n_out, M.vocab});
+  // The tables, lengths and starts are checked by paged() on every layer before it reads; the
+  // first layer's check runs before any pool is written (below), so a bad table writes nothing.
+  const Tensor probe = at::empty({t, M.h, d}, at::kFloat);
+  paged_check(probe, first, value_pools[0], block_tables, lengths, starts, probe);
+
+  const int64_t nqkv = nq + 2 * nkv;
+  auto attend = [&](int64_t l, const float* qkv, float* attn) {
+    const Tensor& key = key_pools[l];
+    const Tensor& value = value_pools[l];
+    for (int64_t r = 0; r < t; r++) {  // the new key and value rows at their slots
+      const float* row = qkv + r * nqkv;
+      const int64_t base = (slot[r] / s) * key.stride(0) + (slot[r] % s) * key.stride(1);
+      for (int64_t g = 0; g < hk; g++) {
+        const int64_t at = base + g * key.stride(2);
+        if (key.scalar_type() == at::kBFloat16) {
+          store_row(row + nq + g * d, d, key.data_ptr<at::BFloat16>() + at);
+          store_row(row + nq + nkv + g * d, d, value.data_ptr<at::BFloat16>() + at);
+        } else {
+          store_row(row + nq + g * d, d, key.data_ptr<float>() + at);
+          store_row(row + nq + nkv + g * d, d, value.data_ptr<float>() + at);
+        }
+      }
+    }
+    const Tensor q = at::from_blob(const_cast<float*>(qkv), {t, M.h, d}, {nqkv, d, 1},
+                                   at::kFloat);  // (t, h, d): the q part of each row
+    const Tensor out = at::from_blob(attn, {t, M.h, d}, at::kFloat);
+    paged(q, key, value, block_tables, lengths, starts, M.scale, out);
+  };
+  forward(M, id, t, positions.data_ptr<int64_t>(), attend, rows, n_out,
+          logits.data_ptr<float>());
 }
 
 }  // namespace
@@ -332,6 +515,15 @@ void bind_step(pybind11::module_& m) {
         pybind11::arg("sin"), pybind11::arg("key_mask"), pybind11::arg("sizes"),
         pybind11::arg("numbers"), pybind11::arg("logits"),
         "one decoding step of a quantised Llama decoder (writes the caches at length, logits)");
+  m.def("llama_paged_step", &llama_paged_step, pybind11::arg("ids"), pybind11::arg("positions"),
+        pybind11::arg("slots"), pybind11::arg("block_tables"), pybind11::arg("lengths"),
+        pybind11::arg("starts"), pybind11::arg("out_rows"), pybind11::arg("embed"),
+        pybind11::arg("embed_kind"), pybind11::arg("weights"), pybind11::arg("kinds"),
+        pybind11::arg("parts"), pybind11::arg("norms"), pybind11::arg("key_pools"),
+        pybind11::arg("value_pools"), pybind11::arg("cos"), pybind11::arg("sin"),
+        pybind11::arg("sizes"), pybind11::arg("numbers"), pybind11::arg("logits"),
+        "one forward step of a quantised Llama decoder over a paged KV cache (writes the pools "
+        "at slots, logits of out_rows)");
 }
 
 }  // namespace attnkit_fused

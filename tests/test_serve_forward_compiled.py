@@ -1,0 +1,179 @@
+"""The compiled paged step (``llama_step.paged_step``, ``step.cpp``'s ``llama_paged_step``):
+``paged_forward`` of a quantised model as one call gives the module loop's logits and writes
+the same keys and values into the pool, for ragged prefill chunks (the products' tile path) and
+decode steps of a few or many sequences (the row kernels, the tile path); when it is taken; its
+checks, made before any pool is written."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from attnkit.models import llama_step
+from attnkit.serve import forward as serve_forward
+from attnkit.serve.forward import PagedBatch, paged_forward
+from attnkit.serve.paged import BlockPool, paged_attention
+from llama_oracles import bundled_gguf as bundled_gguf
+from quant_oracles import SMALL, random_quantised
+from quant_oracles import kernel as kernel
+from quant_oracles import quant_kernel as quant_kernel
+from serve_oracles import one_thread as one_thread
+from serve_oracles import tiny_model
+
+
+def _pool(model, dtype=torch.float32, blocks: int = 96, size: int = 8) -> BlockPool:
+    c = model.config
+    return BlockPool(
+        blocks,
+        size,
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        dtype=dtype,
+    )
+
+
+def _run(model, prompts, cut: int, steps: int, dtype=torch.float32, size: int = 8) -> float:
+    """Prefill the prompts in two chunks (``cut`` tokens, then the rest), then decode ``steps``
+    greedy tokens for all of them: compiled into one pool, the module loop (reference
+    attention) into another with the same tables. Every step's logits and, at the end, the
+    pools must agree; returns the largest logit difference."""
+    room = max(map(len, prompts)) + steps
+    blocks = len(prompts) * -(-room // size) + 5
+    compiled, reference = (_pool(model, dtype, blocks, size) for _ in range(2))
+    free = list(range(blocks))
+    random.Random(len(prompts)).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-room // size))] for _ in prompts]
+    tokens = [list(p) for p in prompts]
+    done = [0] * len(prompts)
+    worst = 0.0
+    plan = [min(cut, len(p)) for p in prompts]
+    while True:
+        rows = [n for n in range(len(tokens)) if done[n] < len(tokens[n])]
+        if not rows:
+            break
+        new = [tokens[n][done[n] : done[n] + (plan[n] or len(tokens[n]))] for n in rows]
+        batch = PagedBatch.build(new, [done[n] for n in rows], [tables[n] for n in rows], size)
+        before = llama_step.calls
+        with torch.no_grad():
+            got = paged_forward(model, batch, compiled)
+            assert llama_step.calls == before + 1, "the compiled step was not taken"
+            want = paged_forward(model, batch, reference, attention=paged_attention)
+            assert llama_step.calls == before + 1
+        worst = max(worst, (got - want).abs().max().item())
+        for row, n in enumerate(rows):
+            done[n] += len(new[row])
+            plan[n] = 0
+            if done[n] == len(tokens[n]) and len(tokens[n]) < len(prompts[n]) + steps:
+                tokens[n].append(int(want[row].argmax()))
+    rtol = 1e-4 if dtype == torch.float32 else 2**-7  # bfloat16: one step at a boundary
+    for a, r in zip(
+        compiled.keys + compiled.values, reference.keys + reference.values, strict=True
+    ):
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=rtol)
+    return worst
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_prefill_chunks_and_decoding_equal_the_module_loop(quant_kernel, dtype) -> None:
+    model = random_quantised(SMALL, seed=1)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(SMALL.vocab_size) for _ in range(n)] for n in (1, 7, 13, 29, 40, 3)]
+    # First step: 6 + 7 + 13 + 13 + 13 + 3 rows (the tile path); then ragged rests; then six
+    # sequences decoding together (the row kernels).
+    assert _run(model, prompts, cut=13, steps=12, dtype=dtype) <= 1e-4
+
+
+def test_many_sequences_decoding_together_equal_the_module_loop(quant_kernel) -> None:
+    model = random_quantised(SMALL, seed=4)
+    rng = random.Random(5)
+    prompts = [
+        [rng.randrange(SMALL.vocab_size) for _ in range(rng.randrange(1, 30))] for _ in range(11)
+    ]
+    # Eleven one-token rows a step: more than the row kernels take at once (the tile path).
+    assert _run(model, prompts, cut=64, steps=8, size=4) <= 1e-4
+
+
+def test_the_bundled_smollm2_equals_the_module_loop(quant_kernel, bundled_gguf) -> None:
+    model = bundled_gguf.model
+    prompts = [
+        bundled_gguf.encode(t)
+        for t in ("Once upon a time", "What is 2 + 2? Think step by step.", "Hi", "The capital of")
+    ]
+    assert _run(model, prompts, cut=5, steps=10, size=16) <= 1e-4
+
+
+def test_the_module_loop_runs_where_the_step_cannot(quant_kernel, monkeypatch) -> None:
+    model = random_quantised(SMALL, seed=0)
+    pool = _pool(model)
+    batch = PagedBatch.build([[1, 2, 3]], [0], [[0]], 8)
+    plain = tiny_model()  # float32 weights
+    plain_pool = _pool(plain)
+    before = llama_step.calls
+    with torch.no_grad():
+        why = llama_step.why_not_paged(plain, plain_pool.keys, plain_pool.values)
+        assert "not kept quantised" in why
+        paged_forward(plain, batch, plain_pool)
+        assert "per layer" in llama_step.why_not_paged(model, pool.keys[:1], pool.values[:1])
+        paged_forward(model, batch, pool, attention=paged_attention)  # a chosen attention
+        with monkeypatch.context() as patch:  # a kernel plugged into the seam
+            patch.setattr(serve_forward, "ATTENTION", lambda *args: paged_attention(*args))
+            paged_forward(model, batch, pool)
+        with monkeypatch.context() as patch:
+            patch.setattr(llama_step.jit, "loaded", lambda: None)
+            assert "not loaded" in llama_step.why_not_paged(model, pool.keys, pool.values)
+    with torch.enable_grad():
+        assert "grad" in llama_step.why_not_paged(model, pool.keys, pool.values)
+        paged_forward(model, batch, pool)
+    assert llama_step.calls == before
+    with torch.no_grad():
+        paged_forward(model, batch, pool)
+    assert llama_step.calls == before + 1
+
+
+def _arguments(model, pool: BlockPool) -> dict:
+    """A valid ``paged_step`` call: two sequences, 3 and 1 new tokens, after 0 and 4 cached."""
+    with torch.no_grad():
+        assert llama_step.why_not_paged(model, pool.keys, pool.values) is None
+    return dict(
+        ids=torch.tensor([5, 6, 7, 8]),
+        positions=torch.tensor([0, 1, 2, 4]),
+        slots=torch.tensor([0, 1, 2, 12]),
+        block_tables=torch.tensor([[0, 2], [1, 3]]),
+        lengths=torch.tensor([3, 5]),
+        starts=torch.tensor([0, 3, 4]),
+        out_rows=torch.tensor([2, 3]),
+        key_pools=pool.keys,
+        value_pools=pool.values,
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(slots=torch.tensor([0, 1, 2, 99_999])), "slots[3] = 99999 is outside the pool"),
+        (dict(slots=torch.tensor([0, 1, 2])), "one pool slot per row"),
+        (dict(ids=torch.tensor([5, 6, 7, 101])), "outside the vocabulary"),
+        (dict(positions=torch.tensor([0, 1, 2, 10**7])), "outside the RoPE tables"),
+        (dict(block_tables=torch.tensor([[0, 2], [500, 3]])), "is not a block of the pool"),
+        (dict(lengths=torch.tensor([3, 500])), "length 500"),
+        (dict(starts=torch.tensor([0, 4, 4])), "has 4 new tokens and length 3"),
+        (dict(out_rows=torch.tensor([2, 4])), "out_rows[1] = 4 is not a row"),
+        (dict(block_tables=torch.tensor([[0, 2], [1, 3]], dtype=torch.int32)), "block_tables"),
+    ],
+)
+def test_bad_input_is_refused_before_any_pool_is_written(quant_kernel, change, message) -> None:
+    model = random_quantised(SMALL, seed=0)
+    pool = _pool(model)
+    args = {**_arguments(model, pool), **change}
+    with torch.no_grad(), pytest.raises(RuntimeError, match=message.replace("[", r"\[")):
+        llama_step.paged_step(model, **args)
+    assert all(not t.any() for t in pool.keys + pool.values), "a pool was written"
+    with torch.no_grad():  # the valid call works and writes
+        llama_step.paged_step(model, **_arguments(model, pool))
+    assert all(t.any() for t in pool.keys + pool.values)
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
