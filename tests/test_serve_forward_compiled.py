@@ -1,8 +1,8 @@
 """The compiled paged step (``llama_step.paged_step``, ``step.cpp``'s ``llama_paged_step``):
 ``paged_forward`` of a quantised model as one call gives the module loop's logits and writes
-the same keys and values into the pool, for ragged prefill chunks (the products' tile path) and
-decode steps of a few or many sequences (the row kernels, the tile path); when it is taken; its
-checks, made before any pool is written."""
+the same keys and values into the pool, for ragged prefill chunks and decode steps of a few or
+many sequences (the products' row kernels), a chunk of more than 256 tokens (the tile path);
+when it is taken; its checks, made before any pool is written."""
 
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ def test_ragged_prefill_chunks_and_decoding_equal_the_module_loop(quant_kernel, 
     model = random_quantised(SMALL, seed=1)
     rng = random.Random(2)
     prompts = [[rng.randrange(SMALL.vocab_size) for _ in range(n)] for n in (1, 7, 13, 29, 40, 3)]
-    # First step: 6 + 7 + 13 + 13 + 13 + 3 rows (the tile path); then ragged rests; then six
-    # sequences decoding together (the row kernels).
+    # First step: 1 + 7 + 13 + 13 + 13 + 3 rows; then ragged rests; then six sequences
+    # decoding together.
     assert _run(model, prompts, cut=13, steps=12, dtype=dtype) <= 1e-4
 
 
@@ -92,8 +92,15 @@ def test_many_sequences_decoding_together_equal_the_module_loop(quant_kernel) ->
     prompts = [
         [rng.randrange(SMALL.vocab_size) for _ in range(rng.randrange(1, 30))] for _ in range(11)
     ]
-    # Eleven one-token rows a step: more than the row kernels take at once (the tile path).
+    # Eleven one-token rows a step: the row kernels take them 4, 4, 2 and 1 at a time.
     assert _run(model, prompts, cut=64, steps=8, size=4) <= 1e-4
+
+
+def test_a_chunk_of_more_than_256_tokens_takes_the_tile_path(quant_kernel) -> None:
+    model = random_quantised(SMALL, seed=6)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(SMALL.vocab_size) for _ in range(n)] for n in (290, 5)]
+    assert _run(model, prompts, cut=300, steps=3, size=16) <= 1e-4  # 295 rows, then 2
 
 
 def test_the_bundled_smollm2_equals_the_module_loop(quant_kernel, bundled_gguf) -> None:
@@ -102,7 +109,10 @@ def test_the_bundled_smollm2_equals_the_module_loop(quant_kernel, bundled_gguf) 
         bundled_gguf.encode(t)
         for t in ("Once upon a time", "What is 2 + 2? Think step by step.", "Hi", "The capital of")
     ]
-    assert _run(model, prompts, cut=5, steps=10, size=16) <= 1e-4
+    # The module loop multiplies chunks of more than 8 tokens by the tile path (gemm), the step
+    # by the row kernels: another summation order, carried through 30 layers (logits of about
+    # 20 in size). The bound against the float32 model is 1e-3.
+    assert _run(model, prompts, cut=5, steps=10, size=16) <= 5e-4
 
 
 def test_the_module_loop_runs_where_the_step_cannot(quant_kernel, monkeypatch) -> None:
