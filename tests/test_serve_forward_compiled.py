@@ -7,6 +7,9 @@ when it is taken; its checks, made before any pool is written."""
 from __future__ import annotations
 
 import random
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -187,3 +190,45 @@ def test_bad_input_is_refused_before_any_pool_is_written(quant_kernel, change, m
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_other_python_threads_run_during_a_step(quant_kernel) -> None:
+    """The kernel releases the GIL while it computes: a server's event loop keeps sending the
+    tokens of the step before. With a switch interval of a minute, a second thread can only
+    run while this one waits outside Python; the call is the kernel's alone (its arguments
+    are made before)."""
+    model = random_quantised(SMALL, seed=8)
+    pool = _pool(model, blocks=64, size=8)
+    t = 400  # a chunk long enough to last milliseconds
+    batch = PagedBatch.build([[n % SMALL.vocab_size for n in range(t)]], [0], [list(range(50))], 8)
+    with torch.no_grad():
+        assert llama_step.why_not_paged(model, pool.keys, pool.values) is None
+        packed = model._llama_step
+        cos, sin = llama_step._tables(model, packed, model.config.max_len)
+    args = (
+        batch.ids, batch.positions, batch.slots, batch.block_tables, batch.lengths,
+        torch.tensor([0, t]), torch.tensor([t - 1]), packed.embed, packed.embed_kind,
+        packed.weights, packed.kinds, packed.parts, packed.norms, pool.keys, pool.values, cos,
+        sin, packed.sizes, packed.numbers, torch.empty(1, SMALL.vocab_size),
+    )  # fmt: skip
+    ticks, stop = [0], threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0)  # hands the GIL back at once
+
+    interval = sys.getswitchinterval()
+    thread = threading.Thread(target=count)
+    sys.setswitchinterval(60.0)
+    try:
+        thread.start()
+        time.sleep(0.05)  # the counter runs while this thread sleeps
+        before = ticks[0]
+        quant_kernel.llama_paged_step(*args)
+        during = ticks[0] - before
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        thread.join()
+    assert during > 0, "no other Python thread ran during the step: the GIL was held"

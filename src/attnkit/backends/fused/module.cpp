@@ -46,9 +46,14 @@ void bind_step(pybind11::module_& m);
 
 }  // namespace attnkit_fused
 
+// Every entry point that computes releases the GIL while it runs (``no_gil``; their arguments
+// are converted before, with it): other Python threads, such as a server's event loop sending
+// the tokens of the step before, run during a step instead of waiting for it to end.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &attnkit_fused::forward, "fused attention forward (writes out, lse)");
-  m.def("backward", &attnkit_fused::backward, "fused attention backward (writes dq^T, dk, dv)");
+  const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("forward", &attnkit_fused::forward, no_gil, "fused attention forward (writes out, lse)");
+  m.def("backward", &attnkit_fused::backward, no_gil,
+        "fused attention backward (writes dq^T, dk, dv)");
   m.def("threads_used", &attnkit_fused::threads_used,
         "how many intra-op threads ran part of the latest forward or backward");
   m.def("openmp", []() {

@@ -440,10 +440,12 @@ void paged(const Tensor& q, const Tensor& key_pool, const Tensor& value_pool,
 }
 
 void bind_paged(pybind11::module_& m) {
-  m.def("paged", &paged, "attention over a paged KV cache through block tables (writes out)",
-        pybind11::arg("q"), pybind11::arg("key_pool"), pybind11::arg("value_pool"),
-        pybind11::arg("block_tables"), pybind11::arg("lengths"), pybind11::arg("starts"),
-        pybind11::arg("scale"), pybind11::arg("out"));
+  const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();  // as module.cpp
+  m.def("paged", &paged, no_gil,
+        "attention over a paged KV cache through block tables (writes out)", pybind11::arg("q"),
+        pybind11::arg("key_pool"), pybind11::arg("value_pool"), pybind11::arg("block_tables"),
+        pybind11::arg("lengths"), pybind11::arg("starts"), pybind11::arg("scale"),
+        pybind11::arg("out"));
 }
 
 }  // namespace attnkit_fused

@@ -181,13 +181,16 @@ Tensor embedding(const Tensor& ids, const Tensor& w, int64_t kind, int64_t k) {
 }  // namespace
 
 void bind_quant(pybind11::module_& m) {
-  m.def("dequantize", &dequantize, pybind11::arg("w"), pybind11::arg("kind"), pybind11::arg("k"),
+  const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();  // as module.cpp
+  m.def("dequantize", &dequantize, no_gil, pybind11::arg("w"), pybind11::arg("kind"),
+        pybind11::arg("k"),
         "rows of GGUF blocks (uint8 (n, row_bytes)) to float32 (n, k), as gguf.quants.dequantize");
-  m.def("qmatmul", &qmatmul, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("kind"),
-        pybind11::arg("out"),
+  m.def("qmatmul", &qmatmul, no_gil, pybind11::arg("x"), pybind11::arg("w"),
+        pybind11::arg("kind"), pybind11::arg("out"),
         "out (m, n) = x (m, k) @ dequantize(w)^T, float32 accumulation, W kept in its blocks");
-  m.def("embedding", &embedding, pybind11::arg("ids"), pybind11::arg("w"), pybind11::arg("kind"),
-        pybind11::arg("k"), "rows ids of dequantize(w): float32 (len(ids), k)");
+  m.def("embedding", &embedding, no_gil, pybind11::arg("ids"), pybind11::arg("w"),
+        pybind11::arg("kind"), pybind11::arg("k"),
+        "rows ids of dequantize(w): float32 (len(ids), k)");
 }
 
 }  // namespace attnkit_fused

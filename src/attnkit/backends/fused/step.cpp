@@ -514,20 +514,22 @@ void llama_paged_step(const Tensor& ids, const Tensor& positions, const Tensor& 
 }  // namespace
 
 void bind_step(pybind11::module_& m) {
-  m.def("llama_step", &llama_step, pybind11::arg("ids"), pybind11::arg("positions"),
+  const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();  // as module.cpp
+  m.def("llama_step", &llama_step, no_gil, pybind11::arg("ids"), pybind11::arg("positions"),
         pybind11::arg("embed"), pybind11::arg("embed_kind"), pybind11::arg("weights"),
         pybind11::arg("kinds"), pybind11::arg("parts"), pybind11::arg("norms"),
         pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("cos"),
         pybind11::arg("sin"), pybind11::arg("key_mask"), pybind11::arg("sizes"),
         pybind11::arg("numbers"), pybind11::arg("logits"),
         "one decoding step of a quantised Llama decoder (writes the caches at length, logits)");
-  m.def("llama_paged_step", &llama_paged_step, pybind11::arg("ids"), pybind11::arg("positions"),
-        pybind11::arg("slots"), pybind11::arg("block_tables"), pybind11::arg("lengths"),
-        pybind11::arg("starts"), pybind11::arg("out_rows"), pybind11::arg("embed"),
-        pybind11::arg("embed_kind"), pybind11::arg("weights"), pybind11::arg("kinds"),
-        pybind11::arg("parts"), pybind11::arg("norms"), pybind11::arg("key_pools"),
-        pybind11::arg("value_pools"), pybind11::arg("cos"), pybind11::arg("sin"),
-        pybind11::arg("sizes"), pybind11::arg("numbers"), pybind11::arg("logits"),
+  m.def("llama_paged_step", &llama_paged_step, no_gil, pybind11::arg("ids"),
+        pybind11::arg("positions"), pybind11::arg("slots"), pybind11::arg("block_tables"),
+        pybind11::arg("lengths"), pybind11::arg("starts"), pybind11::arg("out_rows"),
+        pybind11::arg("embed"), pybind11::arg("embed_kind"), pybind11::arg("weights"),
+        pybind11::arg("kinds"), pybind11::arg("parts"), pybind11::arg("norms"),
+        pybind11::arg("key_pools"), pybind11::arg("value_pools"), pybind11::arg("cos"),
+        pybind11::arg("sin"), pybind11::arg("sizes"), pybind11::arg("numbers"),
+        pybind11::arg("logits"),
         "one forward step of a quantised Llama decoder over a paged KV cache (writes the pools "
         "at slots, logits of out_rows)");
 }
