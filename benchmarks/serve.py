@@ -1,16 +1,18 @@
 """``attnkit serve`` under load: throughput, time to first token, inter-token latency, and the
 prefix cache, beside llama.cpp's server when it is installed.
 
-The server runs in its own process (``python -m attnkit.cli serve``, the bundled
-SmolLM2-135M-Instruct, ``--threads`` torch threads); the clients are threads of this process
+The server runs in its own process (``python -m attnkit.cli serve --build-kernel``, the bundled
+SmolLM2-135M-Instruct kept quantised, ``--threads`` torch threads; the kernel is compiled first
+if the cache has none); the clients are threads of this process
 that stream ``/v1/completions`` as server-sent events and time each event. It reports:
 
 1. load: for 1, 4, 8 and 16 concurrent clients, each streaming ``--new`` tokens (128) after a
    prompt of ``--prompt`` tokens (64; token ids drawn at random, a different prompt per
    request so that the prefix cache does not help), greedy, ``ignore_eos`` so every request
    runs to its length: aggregate tokens/s (all tokens over the wall time of the round), time to
-   first token and inter-token latency (p50 and p99 over every request and gap), and the
-   speed-up over one client;
+   first token and inter-token latency (p50 and p99 over every request and gap between two
+   text events: an event carries one token, or the few a character spans), and the speed-up
+   over one client;
 2. prefix cache: time to first token (one new token) of a request whose ``--system`` (1,000)
    token system prompt is already cached, against the same request with a system prompt never
    seen (medians over ``--rounds`` requests);
@@ -51,10 +53,12 @@ EOS = 2  # SmolLM2's <|im_end|>
 
 @dataclass
 class Timing:
-    """One streamed request: seconds to the first token and between tokens, tokens received."""
+    """One streamed request: seconds to the first text and between texts (a text event holds
+    one token, or a few when a character spans tokens), the tokens generated."""
 
     ttft: float = 0.0
     gaps: list[float] = field(default_factory=list)
+    events: int = 0
     tokens: int = 0
 
 
@@ -67,7 +71,15 @@ def stream(url: str, prompt: list[int], new: int, extra: dict) -> Timing:
             if not line.startswith(b"data: {"):
                 continue
             event = json.loads(line[6:])
-            if not event.get("choices") or event["choices"][0].get("finish_reason"):
+            if not event.get("choices"):
+                continue
+            reason = event["choices"][0].get("finish_reason")
+            if reason is not None:
+                # Every request runs to its length (the end-of-sequence token is ignored or
+                # banned), so it generated max_tokens tokens.
+                if reason != "length":
+                    raise RuntimeError(f"a request ended by {reason!r}, not by its length")
+                timing.tokens = new
                 continue
             now = time.perf_counter()
             if last is None:
@@ -75,7 +87,7 @@ def stream(url: str, prompt: list[int], new: int, extra: dict) -> Timing:
             else:
                 timing.gaps.append(now - last)
             last = now
-            timing.tokens += 1
+            timing.events += 1
     return timing
 
 
@@ -176,7 +188,8 @@ def measure(args: argparse.Namespace) -> dict:
     servers = {
         "attnkit": (
             [
-                *(sys.executable, "-m", "attnkit.cli", "serve", "--port", str(port)),
+                *(sys.executable, "-m", "attnkit.cli", "serve", "--build-kernel"),
+                *("--port", str(port)),
                 *("--threads", str(args.threads), "--max-batch", str(max(args.clients))),
                 *("--kv-blocks", str(args.kv_blocks)),
             ],

@@ -36,6 +36,8 @@
 #include "fused.h"
 #include "quant.h"
 
+#include <atomic>
+#include <memory>
 #include <sstream>
 
 namespace attnkit_fused {
@@ -70,8 +72,8 @@ struct Job {
   float* out;
 };
 
-// The jobs' products. Up to STEP_ROWS rows of x: the jobs' rows of W, concatenated, split
-// statically over the threads in one region. More: each part by the tile path, in turn.
+// The jobs' products. Up to STEP_ROWS rows of x: the jobs' rows of W, concatenated, shared
+// out over the threads in one region. More: each part by the tile path, in turn.
 void products(std::initializer_list<Job> jobs, int64_t m) {
   if (m > STEP_ROWS) {
     for (const Job& j : jobs) {
@@ -86,13 +88,30 @@ void products(std::initializer_list<Job> jobs, int64_t m) {
   }
   int64_t total = 0, k = 1;
   for (const Job& j : jobs) total += j.mat->n, k = std::max(k, j.mat->k);
+  const int64_t threads = at::get_num_threads();
+  // Each thread owns an equal share of the rows, as consecutive rows (one stream through W for
+  // the memory prefetchers), and takes it piece by piece from a shared cursor; a thread done
+  // with its share takes pieces of the others'. So a thread that starts late (its core was
+  // busy with another thread, say a server's event loop) leaves part of its share to the
+  // others instead of holding them at the region's end.
   const int64_t grain = std::max<int64_t>(1, 16384 / k);  // rows: about 16k values of work
-  at::parallel_for(0, total, grain, [&](int64_t r0, int64_t r1) {
-    note_thread();
+  const int64_t share = (total + threads - 1) / threads;
+  const int64_t piece = std::max<int64_t>(1, std::min(grain, share));
+  struct alignas(64) Cursor {
+    std::atomic<int64_t> next;
+    int64_t end;
+  };
+  std::unique_ptr<Cursor[]> cursors(new Cursor[threads]);
+  for (int64_t t = 0; t < threads; t++) {
+    cursors[t].next.store(std::min(total, t * share), std::memory_order_relaxed);
+    cursors[t].end = std::min(total, (t + 1) * share);
+  }
+  auto run = [&](int64_t r0, int64_t r1) {
     int64_t base = 0;
     for (const Job& j : jobs) {
       for (const Part& p : j.mat->parts) {
-        const int64_t lo = std::max(r0, base + p.first), hi = std::min(r1, base + p.first + p.n);
+        const int64_t lo = std::max(r0, base + p.first);
+        const int64_t hi = std::min(r1, base + p.first + p.n);
         if (lo < hi) {
           matvec_range(p.kind, j.x, m, j.xsum, p.w, p.row_bytes, j.mat->k, lo - base - p.first,
                        hi - base - p.first, j.out + p.first, j.mat->n);
@@ -100,6 +119,16 @@ void products(std::initializer_list<Job> jobs, int64_t m) {
       }
       base += j.mat->n;
     }
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    note_thread();
+    for (int64_t v = 0; v < threads; v++) {  // its own shares first, then the others'
+      Cursor& c = cursors[(t0 + v) % threads];
+      for (int64_t r0 = c.next.fetch_add(piece); r0 < c.end; r0 = c.next.fetch_add(piece)) {
+        run(r0, std::min(c.end, r0 + piece));
+      }
+    }
+    (void)t1;
   });
 }
 
