@@ -7,7 +7,7 @@ if the cache has none); the clients are threads of this process
 that stream ``/v1/completions`` as server-sent events and time each event. It reports:
 
 1. load: for 1, 4, 8 and 16 concurrent clients, each streaming ``--new`` tokens (128) after a
-   prompt of ``--prompt`` tokens (64; token ids drawn at random, a different prompt per
+   prompt of ``--prompt`` tokens (64; the text of random token ids, a different prompt per
    request so that the prefix cache does not help), greedy, ``ignore_eos`` so every request
    runs to its length: aggregate tokens/s (all tokens over the wall time of the round), time to
    first token and inter-token latency (p50 and p99 over every request and gap between two
@@ -19,7 +19,9 @@ that stream ``/v1/completions`` as server-sent events and time each event. It re
 3. llama.cpp: the same load grid against ``python -m llama_cpp.server`` on the same GGUF with
    the same threads, when ``llama_cpp.server`` imports (``make bench-peers`` installs it).
    It does not take ``ignore_eos``: a ``logit_bias`` of -100 on the end-of-sequence token does
-   the same.
+   the same. It serves one request at a time (no batching across requests): with
+   ``--interrupt_requests False`` the others wait their turn (by default a new request cuts
+   off the stream that runs).
 
     PYTHONPATH=src python benchmarks/serve.py              # the tables, docs/benchmarks.md
     PYTHONPATH=src python benchmarks/serve.py --quick      # a tiny grid, print only
@@ -28,6 +30,7 @@ that stream ``/v1/completions`` as server-sent events and time each event. It re
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -47,7 +50,6 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this che
 import requests
 from _report import cpu, environment, write_section
 
-VOCAB = 49_152  # SmolLM2's
 EOS = 2  # SmolLM2's <|im_end|>
 
 
@@ -62,7 +64,26 @@ class Timing:
     tokens: int = 0
 
 
-def stream(url: str, prompt: list[int], new: int, extra: dict) -> Timing:
+@functools.cache
+def _tokenizer():
+    from attnkit.models.llama import bundled_model_path, load_pretrained
+
+    return load_pretrained(bundled_model_path()).tokenizer
+
+
+def text_of(rng: random.Random, n: int) -> str:
+    """Text of exactly ``n`` SmolLM2 tokens, from random ids (llama.cpp's server takes prompts
+    as text only, so both servers get the same text)."""
+    tok = _tokenizer()
+    while True:
+        ids = tok.encode(tok.decode([rng.randrange(1_000, 20_000) for _ in range(n + 8)]))
+        if len(ids) >= n:
+            text = tok.decode(ids[:n])
+            if len(tok.encode(text)) == n:
+                return text
+
+
+def stream(url: str, prompt: str, new: int, extra: dict) -> Timing:
     body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True, **extra}
     timing, start, last = Timing(), time.perf_counter(), None
     with requests.post(url + "/v1/completions", json=body, stream=True, timeout=600) as r:
@@ -93,7 +114,7 @@ def stream(url: str, prompt: list[int], new: int, extra: dict) -> Timing:
 
 def load_round(url: str, clients: int, prompt_len: int, new: int, extra: dict, seed: int) -> dict:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, VOCAB) for _ in range(prompt_len)] for _ in range(clients)]
+    prompts = [text_of(rng, prompt_len) for _ in range(clients)]
     results: list[Timing] = [Timing()] * clients
 
     def run(k: int) -> None:
@@ -131,8 +152,8 @@ def prefix_cache(url: str, system: int, rounds: int, extra: dict) -> dict:
     """Median TTFT of one new token after a cached and after a never-seen system prompt."""
     rng = random.Random(1)
 
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(100, VOCAB) for _ in range(n)]
+    def tokens(n: int) -> str:
+        return text_of(rng, n)
 
     cached_system = tokens(system)
     stream(url, cached_system + tokens(8), 1, extra)  # fills the cache
@@ -201,6 +222,9 @@ def measure(args: argparse.Namespace) -> dict:
             [
                 *(sys.executable, "-m", "llama_cpp.server", "--model", gguf),
                 *("--port", str(port + 1), "--n_threads", str(args.threads), "--n_ctx", "8192"),
+                # One request at a time, the others queued: by default a new request ends the
+                # stream that runs (its clients see the response cut off).
+                *("--interrupt_requests", "False"),
             ],
             {"logit_bias": {str(EOS): -100}},
         )
