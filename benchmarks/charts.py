@@ -10,6 +10,7 @@ measured tables without hours of measuring again:
     flex-float32.png, flex-bfloat16.png
                                benchmarks/flex.py, one chart per dtype
     generate.png               benchmarks/generate.py
+    serve.png                  benchmarks/serve.py
     hf_models.png              benchmarks/hf_models.py (once its section is recorded)
 
 A section or table that is not recorded draws nothing (and says so).
@@ -33,6 +34,7 @@ import attention as attention_bench
 import flex as flex_bench
 import generate as generate_bench
 import hf_models as hf_bench
+import serve as serve_bench
 from _report import CHARTS, DOC, read_section
 
 Table = list[dict[str, str]]  # one dict per body row: header -> cell text
@@ -129,6 +131,20 @@ def generate_rows(table: Table) -> list[dict]:
     ]
 
 
+def serve_rows(table: Table) -> dict[str, list[dict]]:
+    """A serve load table as ``benchmarks/serve.py`` measures it: rows per server."""
+    out: dict[str, list[dict]] = {"attnkit": [], "llama.cpp": []}
+    for cell in table:
+        out.setdefault(cell["server"], []).append(
+            {
+                "clients": int(number(cell["clients"]) or 0),
+                "tokens_per_s": number(cell["tokens/s"]),
+                "itl_p50": (number(cell["ITL p50 (ms)"]) or 0.0) / 1e3,
+            }
+        )
+    return out
+
+
 def hf_rows(table: Table) -> list[dict]:
     rows = []
     for cell in table:
@@ -175,7 +191,16 @@ def draw_all(
     hf = _section_tables("hf_models", doc, "model", "attnkit (s)")
     if hf:
         made.append(hf_bench.chart(hf_rows(hf[0]), out))
-    recorded = {"attention": found, "flex": flex, "generate": generate, "hf_models": hf}
+    serve = _section_tables("serve", doc, "server", "clients", "tokens/s")
+    if serve:
+        made.append(serve_bench.chart(serve_rows(serve[0]), out))
+    recorded = {
+        "attention": found,
+        "flex": flex,
+        "generate": generate,
+        "hf_models": hf,
+        "serve": serve,
+    }
     for name, rows in recorded.items():
         if not rows:
             say(f"{doc.name}: no recorded {name} table, no chart")

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run fr
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
 
 import requests
-from _report import cpu, environment, write_section
+from _report import CHARTS, cpu, environment, write_chart, write_section
 
 EOS = 2  # SmolLM2's <|im_end|>
 
@@ -304,11 +304,37 @@ def main(argv: list[str] | None = None) -> int:
         args.kv_blocks = 64
     if min(args.clients) < 1 or min(args.prompt, args.new, args.system, args.rounds) < 1:
         parser.error("--clients, --prompt, --new, --system and --rounds must be >= 1")
-    markdown = report(measure(args), args)
+    out = measure(args)
+    markdown = report(out, args)
     print(markdown)
     if args.write and not args.quick:
         print(f"wrote {write_section('serve', markdown)}")
+        print(f"wrote {chart(out)}")
     return 0
+
+
+def chart(out: dict, out_dir: Path = CHARTS) -> Path:
+    """Draw ``serve.png``: aggregate tokens/s and inter-token latency (p50) of each server
+    against the number of clients."""
+    rows = [
+        {**row, "series": name, "itl_p50_ms": row["itl_p50"] * 1e3}
+        for name in ("attnkit", "llama.cpp")
+        for row in out[name]
+    ]
+    return write_chart(
+        "serve",
+        rows,
+        panels=[
+            ("tokens_per_s", "aggregate throughput", "tokens/s"),
+            ("itl_p50_ms", "inter-token latency, p50", "ms"),
+        ],
+        title="SmolLM2-135M-Instruct served on CPU, streaming clients; dashed: llama.cpp",
+        x="clients",
+        x_label="concurrent clients",
+        baselines=["llama.cpp"],
+        log_y=True,
+        out_dir=out_dir,
+    )
 
 
 if __name__ == "__main__":
