@@ -22,54 +22,13 @@
 #include <torch/extension.h>
 
 #include "fused.h"
+#include "kv_tiles.h"
 
 namespace attnkit_fused {
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t W = 2 * Vec::size();  // values per step along d and j: one bfloat16 vector
-constexpr int64_t TILE = 128;           // keys per online-softmax update (a tile stays in L1)
-constexpr int64_t MIN_CHUNK = 256;      // fewer keys per task: the merge costs more than it saves
-constexpr int64_t TASKS_PER_THREAD = 4;
-constexpr int64_t HEADS = 4;            // query heads whose sums are kept in registers at once
-constexpr int64_t SQUARE = 16;          // the transposed blocks of a key tile
-
-static_assert(at::vec::Vectorized<at::BFloat16>::size() == W, "bfloat16 vector = two floats");
-static_assert(TILE % W == 0 && TILE % SQUARE == 0 && W % SQUARE == 0, "tiles of whole blocks");
-
-// Values [0, W) of a row from p (n of them exist; zero past n) as two float vectors.
-inline std::pair<Vec, Vec> load_pair(const float* p, int64_t n) {
-  if (n >= W) return {Vec::loadu(p), Vec::loadu(p + Vec::size())};
-  if (n <= Vec::size()) return {Vec::loadu(p, n), Vec(0.0f)};
-  return {Vec::loadu(p), Vec::loadu(p + Vec::size(), n - Vec::size())};
-}
-
-inline std::pair<Vec, Vec> load_pair(const at::BFloat16* p, int64_t n) {
-  using BVec = at::vec::Vectorized<at::BFloat16>;
-  const BVec x = n >= W ? BVec::loadu(p) : BVec::loadu(p, n);
-  auto [lo, hi] = at::vec::convert_to_float<at::BFloat16>(x);
-  return {lo, hi};
-}
-
-// A cached row of d values as float32, zero-padded to d_p (a multiple of W).
-template <typename kv_t>
-inline void widen_row(const kv_t* src, int64_t d, int64_t d_p, float* dst) {
-  for (int64_t e = 0; e < d_p; e += W) {
-    auto [lo, hi] = load_pair(src + e, d - e);
-    lo.store(dst + e);
-    hi.store(dst + e + Vec::size());
-  }
-}
-
-// How many chunks each (batch, key head) pair's keys are split into: one for short caches and
-// a single thread, else enough that there are TASKS_PER_THREAD tasks per thread, never chunks
-// shorter than MIN_CHUNK keys.
-int64_t chunk_count(int64_t length, int64_t pairs, int64_t threads) {
-  if (threads <= 1) return 1;
-  const int64_t want = (TASKS_PER_THREAD * threads + pairs - 1) / pairs;
-  return std::clamp<int64_t>(want, 1, std::max<int64_t>(1, length / MIN_CHUNK));
-}
+using namespace kv;
 
 struct Problem {
   int64_t nb, h, hk, g, d, d_p, length, chunks, chunk;
@@ -79,18 +38,6 @@ struct Problem {
   const bool* mask;
   int64_t mask_sb, mask_sj;
 };
-
-// Asks for the cache lines of one row of d values ahead of its use. The cache is read tile by
-// tile with much arithmetic in between: without asking ahead, a step over a long cache that is
-// no longer in the CPU's caches waits on memory row by row (a third of the bandwidth a plain
-// read of it gets with one thread).
-template <typename kv_t>
-inline void prefetch_row(const kv_t* row, int64_t d) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t at = 0; at < d * static_cast<int64_t>(sizeof(kv_t)); at += 64) {
-    __builtin_prefetch(p + at, 0, 3);
-  }
-}
 
 // One key tile of the cache in float32, transposed, k_t (d_p x TILE), so that q k_t^T is a
 // sum of whole rows (no sum across a vector's lanes); columns past n are zero. Row c of the
@@ -115,29 +62,6 @@ void transposed_keys(const kv_t* k_rows, int64_t k_sj, int64_t n, int64_t d, int
     }
     for (int64_t e0 = 0; e0 < d_p; e0 += SQUARE) {
       at::vec::transpose_mxn<float, SQUARE, SQUARE>(square + e0, d_p, k_t + e0 * TILE + c0, TILE);
-    }
-  }
-}
-
-// s[r][c] = q_r . k_c for R query heads and the keys [0, n_p): each key vector is loaded once
-// for the R heads, whose sums stay in registers (two vectors of keys per head).
-template <int R>
-inline void scores(const float* q_rows, int64_t d, int64_t d_p, const float* k_t, int64_t n_p,
-                   float* s) {
-  for (int64_t c = 0; c < n_p; c += W) {
-    Vec lo[R], hi[R];
-    for (int r = 0; r < R; r++) lo[r] = hi[r] = Vec(0.0f);
-    for (int64_t e = 0; e < d; e++) {
-      const Vec k0 = Vec::loadu(k_t + e * TILE + c), k1 = Vec::loadu(k_t + e * TILE + c + Vec::size());
-      for (int r = 0; r < R; r++) {
-        const Vec q(q_rows[r * d_p + e]);
-        lo[r] = at::vec::fmadd(q, k0, lo[r]);
-        hi[r] = at::vec::fmadd(q, k1, hi[r]);
-      }
-    }
-    for (int r = 0; r < R; r++) {
-      lo[r].store(s + r * TILE + c);
-      hi[r].store(s + r * TILE + c + Vec::size());
     }
   }
 }
@@ -171,20 +95,6 @@ inline void add_values(const float* p, const kv_t* v_rows, int64_t v_sj, int64_t
   }
 }
 
-// Heads [0, g) in blocks of up to HEADS: fn<R>(first head of the block).
-template <typename Fn>
-inline void by_heads(int64_t g, Fn&& fn) {
-  int64_t r0 = 0;
-  for (; r0 + HEADS <= g; r0 += HEADS) fn(std::integral_constant<int, HEADS>{}, r0);
-  switch (g - r0) {
-    case 1: fn(std::integral_constant<int, 1>{}, r0); break;
-    case 2: fn(std::integral_constant<int, 2>{}, r0); break;
-    case 3: fn(std::integral_constant<int, 3>{}, r0); break;
-    default: break;
-  }
-}
-static_assert(HEADS == 4, "by_heads handles remainders of up to 3 heads");
-
 // One task: query heads [hk * g, (hk + 1) * g) of batch row b against keys [j0, j1). Leaves the
 // unnormalised state in m (g), l (g), acc (g x d_p).
 template <typename kv_t>
@@ -213,7 +123,7 @@ void chunk_state(const Problem& pr, const kv_t* k_head, int64_t k_sj, const kv_t
     transposed_keys(k_head + t0 * k_sj, k_sj, n, d, d_p, k_t, square, k_head + next * k_sj,
                     v_head + next * v_sj, v_sj, next_n);
     // s = q k_t^T, every query head of the group against the tile
-    by_heads(g, [&](auto R, int64_t r0) {
+    by_rows(g, [&](auto R, int64_t r0) {
       scores<R>(q_rows + r0 * d_p, d, d_p, k_t, n_p, s + r0 * TILE);
     });
     // the logits and the online softmax, one query head at a time (fused.h)
@@ -224,7 +134,7 @@ void chunk_state(const Problem& pr, const kv_t* k_head, int64_t k_sj, const kv_t
       update<float>(s_row, n, top, m[r], l[r], acc + r * d_p, d_p);
     }
     // acc += p v_t
-    by_heads(g, [&](auto R, int64_t r0) {
+    by_rows(g, [&](auto R, int64_t r0) {
       add_values<R>(s + r0 * TILE, v_head + t0 * v_sj, v_sj, n, d, d_p, tile_mask, pr.mask_sj,
                     acc + r0 * d_p);
     });

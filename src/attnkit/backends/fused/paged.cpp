@@ -27,46 +27,15 @@
 #include <torch/extension.h>
 
 #include "fused.h"
+#include "kv_tiles.h"
 
 namespace attnkit_fused {
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t W = 2 * Vec::size();  // values per step along d and j: one bfloat16 vector
-constexpr int64_t TILE = 128;           // keys per online-softmax update (a tile stays in L1)
-constexpr int64_t MIN_CHUNK = 256;      // fewer keys per task: the merge costs more than it saves
-constexpr int64_t TASKS_PER_THREAD = 4;
-constexpr int64_t HEADS = 4;            // rows whose sums are kept in registers at once
-constexpr int64_t SQUARE = 16;          // the transposed blocks of a key tile
-constexpr int64_t QUERY_ROWS = 64;      // rows (query positions x group heads) per task, at most
+using namespace kv;
 
-static_assert(at::vec::Vectorized<at::BFloat16>::size() == W, "bfloat16 vector = two floats");
-static_assert(TILE % W == 0 && TILE % SQUARE == 0 && W % SQUARE == 0, "tiles of whole blocks");
-
-// Values [0, W) of a row from p (n of them exist; zero past n) as two float vectors.
-inline std::pair<Vec, Vec> load_pair(const float* p, int64_t n) {
-  if (n >= W) return {Vec::loadu(p), Vec::loadu(p + Vec::size())};
-  if (n <= Vec::size()) return {Vec::loadu(p, n), Vec(0.0f)};
-  return {Vec::loadu(p), Vec::loadu(p + Vec::size(), n - Vec::size())};
-}
-
-inline std::pair<Vec, Vec> load_pair(const at::BFloat16* p, int64_t n) {
-  using BVec = at::vec::Vectorized<at::BFloat16>;
-  const BVec x = n >= W ? BVec::loadu(p) : BVec::loadu(p, n);
-  auto [lo, hi] = at::vec::convert_to_float<at::BFloat16>(x);
-  return {lo, hi};
-}
-
-// A pool row of d values as float32, zero-padded to d_p (a multiple of W).
-template <typename kv_t>
-inline void widen_row(const kv_t* src, int64_t d, int64_t d_p, float* dst) {
-  for (int64_t e = 0; e < d_p; e += W) {
-    auto [lo, hi] = load_pair(src + e, d - e);
-    lo.store(dst + e);
-    hi.store(dst + e + Vec::size());
-  }
-}
+constexpr int64_t QUERY_ROWS = 64;  // rows (query positions x group heads) per task, at most
 
 // One unit of work before it is split along the keys: query positions [q0, q1) of sequence
 // ``seq`` (their rows: every query head of key head ``hk``), which see keys [0, keys).
@@ -90,14 +59,6 @@ struct Problem {
   const int64_t* starts;  // (b + 1,): sequence n owns packed rows [starts[n], starts[n + 1])
   int64_t pool_sn, pool_ss, pool_sh;  // the pools' strides (N, s, hk); d is contiguous
 };
-
-// How many chunks an item's keys are split into: one on a single thread, else enough that there
-// are TASKS_PER_THREAD tasks per thread, never chunks shorter than MIN_CHUNK keys (decode.cpp).
-int64_t chunk_count(int64_t keys, int64_t items, int64_t threads) {
-  if (threads <= 1) return 1;
-  const int64_t want = (TASKS_PER_THREAD * threads + items - 1) / items;
-  return std::clamp<int64_t>(want, 1, std::max<int64_t>(1, keys / MIN_CHUNK));
-}
 
 // The pool rows of keys [t0, t0 + n) of one sequence and key head, through its block table.
 template <typename kv_t>
@@ -130,30 +91,6 @@ void transposed_keys(const kv_t* const* k_rows, int64_t n, int64_t d, int64_t d_
   }
 }
 
-// s[r][c] = q_r . k_c for R rows and the keys [0, n_p): each key vector is loaded once for the
-// R rows, whose sums stay in registers.
-template <int R>
-inline void scores(const float* q_rows, int64_t d, int64_t d_p, const float* k_t, int64_t n_p,
-                   float* s) {
-  for (int64_t c = 0; c < n_p; c += W) {
-    Vec lo[R], hi[R];
-    for (int r = 0; r < R; r++) lo[r] = hi[r] = Vec(0.0f);
-    for (int64_t e = 0; e < d; e++) {
-      const Vec k0 = Vec::loadu(k_t + e * TILE + c);
-      const Vec k1 = Vec::loadu(k_t + e * TILE + c + Vec::size());
-      for (int r = 0; r < R; r++) {
-        const Vec q(q_rows[r * d_p + e]);
-        lo[r] = at::vec::fmadd(q, k0, lo[r]);
-        hi[r] = at::vec::fmadd(q, k1, hi[r]);
-      }
-    }
-    for (int r = 0; r < R; r++) {
-      lo[r].store(s + r * TILE + c);
-      hi[r].store(s + r * TILE + c + Vec::size());
-    }
-  }
-}
-
 // acc_r += sum_c p[r][c] v_c for R rows, the value rows read from the pool as stored: each value
 // vector is loaded once for the R rows. Only keys [0, n) are read, all below the sequence's
 // length (written keys); a causally blocked pair has p = 0.
@@ -180,20 +117,6 @@ inline void add_values(const float* p, const kv_t* const* v_rows, int64_t n, int
     }
   }
 }
-
-// Rows [0, rows) in blocks of up to HEADS: fn<R>(first row of the block).
-template <typename Fn>
-inline void by_rows(int64_t rows, Fn&& fn) {
-  int64_t r0 = 0;
-  for (; r0 + HEADS <= rows; r0 += HEADS) fn(std::integral_constant<int, HEADS>{}, r0);
-  switch (rows - r0) {
-    case 1: fn(std::integral_constant<int, 1>{}, r0); break;
-    case 2: fn(std::integral_constant<int, 2>{}, r0); break;
-    case 3: fn(std::integral_constant<int, 3>{}, r0); break;
-    default: break;
-  }
-}
-static_assert(HEADS == 4, "by_rows handles remainders of up to 3 rows");
 
 // Per-thread buffers of one task.
 struct Scratch {

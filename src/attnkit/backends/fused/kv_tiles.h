@@ -1,0 +1,107 @@
+// The pieces of attention over a KV cache that decode.cpp (one query per head over a dense
+// cache) and paged.cpp (several query positions over a paged pool) share: the tile sizes, rows
+// of keys or values read as float32 vectors (bfloat16 widened in registers), how long caches
+// are split into chunks, asking for rows ahead of their use, the scores of a few query rows
+// against a transposed key tile, and blocks of rows kept in registers.
+#pragma once
+
+#include <torch/extension.h>
+
+#include "fused.h"
+
+namespace attnkit_fused::kv {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = 2 * Vec::size();  // values per step along d and j: one bfloat16 vector
+constexpr int64_t TILE = 128;           // keys per online-softmax update (a tile stays in L1)
+constexpr int64_t MIN_CHUNK = 256;      // fewer keys per task: the merge costs more than it saves
+constexpr int64_t TASKS_PER_THREAD = 4;
+constexpr int64_t HEADS = 4;            // query rows whose sums are kept in registers at once
+constexpr int64_t SQUARE = 16;          // the transposed blocks of a key tile
+
+static_assert(at::vec::Vectorized<at::BFloat16>::size() == W, "bfloat16 vector = two floats");
+static_assert(TILE % W == 0 && TILE % SQUARE == 0 && W % SQUARE == 0, "tiles of whole blocks");
+
+// Values [0, W) of a row from p (n of them exist; zero past n) as two float vectors.
+inline std::pair<Vec, Vec> load_pair(const float* p, int64_t n) {
+  if (n >= W) return {Vec::loadu(p), Vec::loadu(p + Vec::size())};
+  if (n <= Vec::size()) return {Vec::loadu(p, n), Vec(0.0f)};
+  return {Vec::loadu(p), Vec::loadu(p + Vec::size(), n - Vec::size())};
+}
+
+inline std::pair<Vec, Vec> load_pair(const at::BFloat16* p, int64_t n) {
+  using BVec = at::vec::Vectorized<at::BFloat16>;
+  const BVec x = n >= W ? BVec::loadu(p) : BVec::loadu(p, n);
+  auto [lo, hi] = at::vec::convert_to_float<at::BFloat16>(x);
+  return {lo, hi};
+}
+
+// A row of d values as float32, zero-padded to d_p (a multiple of W).
+template <typename kv_t>
+inline void widen_row(const kv_t* src, int64_t d, int64_t d_p, float* dst) {
+  for (int64_t e = 0; e < d_p; e += W) {
+    auto [lo, hi] = load_pair(src + e, d - e);
+    lo.store(dst + e);
+    hi.store(dst + e + Vec::size());
+  }
+}
+
+// How many chunks a unit of work's keys are split into: one on a single thread, else enough
+// that there are TASKS_PER_THREAD tasks per thread, never chunks shorter than MIN_CHUNK keys.
+inline int64_t chunk_count(int64_t keys, int64_t units, int64_t threads) {
+  if (threads <= 1) return 1;
+  const int64_t want = (TASKS_PER_THREAD * threads + units - 1) / units;
+  return std::clamp<int64_t>(want, 1, std::max<int64_t>(1, keys / MIN_CHUNK));
+}
+
+// Asks for the cache lines of one row of d values ahead of its use. The cache is read tile by
+// tile with much arithmetic in between: without asking ahead, a step over a long cache that is
+// no longer in the CPU's caches waits on memory row by row (a third of the bandwidth a plain
+// read of it gets with one thread).
+template <typename kv_t>
+inline void prefetch_row(const kv_t* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t at = 0; at < d * static_cast<int64_t>(sizeof(kv_t)); at += 64) {
+    __builtin_prefetch(p + at, 0, 3);
+  }
+}
+
+// s[r][c] = q_r . k_c for R rows and the keys [0, n_p): each key vector is loaded once for the
+// R rows, whose sums stay in registers.
+template <int R>
+inline void scores(const float* q_rows, int64_t d, int64_t d_p, const float* k_t, int64_t n_p,
+                   float* s) {
+  for (int64_t c = 0; c < n_p; c += W) {
+    Vec lo[R], hi[R];
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = Vec(0.0f);
+    for (int64_t e = 0; e < d; e++) {
+      const Vec k0 = Vec::loadu(k_t + e * TILE + c);
+      const Vec k1 = Vec::loadu(k_t + e * TILE + c + Vec::size());
+      for (int r = 0; r < R; r++) {
+        const Vec q(q_rows[r * d_p + e]);
+        lo[r] = at::vec::fmadd(q, k0, lo[r]);
+        hi[r] = at::vec::fmadd(q, k1, hi[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      lo[r].store(s + r * TILE + c);
+      hi[r].store(s + r * TILE + c + Vec::size());
+    }
+  }
+}
+
+// Rows [0, rows) in blocks of up to HEADS: fn<R>(first row of the block).
+template <typename Fn>
+inline void by_rows(int64_t rows, Fn&& fn) {
+  int64_t r0 = 0;
+  for (; r0 + HEADS <= rows; r0 += HEADS) fn(std::integral_constant<int, HEADS>{}, r0);
+  switch (rows - r0) {
+    case 1: fn(std::integral_constant<int, 1>{}, r0); break;
+    case 2: fn(std::integral_constant<int, 2>{}, r0); break;
+    case 3: fn(std::integral_constant<int, 3>{}, r0); break;
+    default: break;
+  }
+}
+static_assert(HEADS == 4, "by_rows handles remainders of up to 3 rows");
+
+}  // namespace attnkit_fused::kv
