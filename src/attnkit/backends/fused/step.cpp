@@ -120,6 +120,11 @@ void products(std::initializer_list<Job> jobs, int64_t m) {
       base += j.mat->n;
     }
   };
+  if (threads == 1) {  // alone: one stream through every row
+    note_thread();
+    run(0, total);
+    return;
+  }
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     note_thread();
     for (int64_t v = 0; v < threads; v++) {  // its own shares first, then the others'
