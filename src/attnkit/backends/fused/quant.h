@@ -466,22 +466,28 @@ inline void unit_sums(const float* x, int64_t m, int64_t k, float* out) {
 
 // out[r, c] = x[r] . W[c] for rows c in [c0, c1) of W (``kind``, rows of row_bytes) and the m
 // rows of x (k values each, contiguous; xsum: unit_sums of x), out rows ldo apart: x's rows
-// taken 4, 2 and 1 at a time, so each unit of W is de-quantised once for up to 4 rows.
+// taken 4, 2 and 1 at a time, so each unit of W is de-quantised once for up to 4 rows. W's rows
+// go by blocks of about 128 KiB, each used by every group of x's rows while it is in the L2
+// cache (so more than 4 rows of x do not read W from memory again per group).
 inline void matvec_range(int64_t kind, const float* x, int64_t m, const float* xsum,
                          const uint8_t* w, int64_t row_bytes, int64_t k, int64_t c0, int64_t c1,
                          float* out, int64_t ldo) {
   const int64_t units = k / UNIT;
+  const int64_t block = std::max<int64_t>(16, (128 * 1024) / std::max<int64_t>(1, row_bytes));
   with_kind(kind, [&](auto kc) {
     constexpr int64_t KIND = decltype(kc)::value;
-    auto rows = [&](auto group, int64_t r) {
-      constexpr int R = decltype(group)::value;
-      matvec<KIND, R>(x + r * k, k, xsum + r * units, w, row_bytes, k, c0, c1, out + r * ldo,
-                      ldo);
-    };
-    int64_t r = 0;
-    for (; r + 4 <= m; r += 4) rows(std::integral_constant<int, 4>{}, r);
-    for (; r + 2 <= m; r += 2) rows(std::integral_constant<int, 2>{}, r);
-    for (; r < m; r++) rows(std::integral_constant<int, 1>{}, r);
+    for (int64_t b0 = c0; b0 < c1; b0 += block) {
+      const int64_t b1 = std::min(c1, b0 + block);
+      auto rows = [&](auto group, int64_t r) {
+        constexpr int R = decltype(group)::value;
+        matvec<KIND, R>(x + r * k, k, xsum + r * units, w, row_bytes, k, b0, b1, out + r * ldo,
+                        ldo);
+      };
+      int64_t r = 0;
+      for (; r + 4 <= m; r += 4) rows(std::integral_constant<int, 4>{}, r);
+      for (; r + 2 <= m; r += 2) rows(std::integral_constant<int, 2>{}, r);
+      for (; r < m; r++) rows(std::integral_constant<int, 1>{}, r);
+    }
   });
 }
 
