@@ -85,8 +85,12 @@ def test_ragged_prefill_chunks_and_decoding_equal_the_module_loop(quant_kernel, 
     rng = random.Random(2)
     prompts = [[rng.randrange(SMALL.vocab_size) for _ in range(n)] for n in (1, 7, 13, 29, 40, 3)]
     # First step: 1 + 7 + 13 + 13 + 13 + 3 rows; then ragged rests; then six sequences
-    # decoding together.
-    assert _run(model, prompts, cut=13, steps=12, dtype=dtype) <= 1e-4
+    # decoding together. The two paths sum the products in different orders (the module loop
+    # multiplies chunks of more than 8 tokens by gemm); in a bfloat16 pool a key or value on a
+    # rounding boundary then lands one bfloat16 step (2^-8 relative) apart, which moves the
+    # logits by up to about 1e-3.
+    bound = 1e-4 if dtype == torch.float32 else 2e-3
+    assert _run(model, prompts, cut=13, steps=12, dtype=dtype) <= bound
 
 
 def test_many_sequences_decoding_together_equal_the_module_loop(quant_kernel) -> None:

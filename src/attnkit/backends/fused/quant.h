@@ -395,16 +395,74 @@ void dequantize_row(const uint8_t* row, int64_t k, float* out) {
 
 // Whether the products sum a kind's 32-value blocks as d (x . q) (+ m sum(x) for Q4_1): one
 // multiply per value and the scale once per block, as ggml's dot products do (without
-// quantising x). Q6_K (two scales per unit) and plain rows multiply de-quantised values.
+// quantising x). Q6_K (two scales per unit) and plain rows multiply de-quantised values. With
+// AVX-512, Q4_0 and Q4_1 take matvec_q4_table instead (below).
 template <int64_t KIND>
 constexpr bool block_dot = KIND == Q4_0 || KIND == Q4_1 || KIND == Q8_0;
 
 // out[r, c] = x[r] . W[c] for rows c in [c0, c1) of W and R rows of x (x rows ldx apart, out
 // rows ldo apart; xsum: each x row's sums over units, for Q4_1's m): each unit of W is
 // de-quantised once into registers and multiplied into R accumulators.
+#if defined(CPU_CAPABILITY_AVX512)
+// Q4_0 / Q4_1 with AVX-512: each block's 16 possible values, de-quantised exactly as gguf does
+// ((q - 8) d, or q d + m rounded twice), make a table; the 32 nibbles pick from it
+// (vpermps reads an index's low 4 bits, so a byte's low nibble needs no mask). Then each row
+// of x needs two FMAs per block: no per-block scale, no m sum(x) term, and the product is
+// x . (the exact de-quantised row) in float32.
+template <int64_t KIND, int R>
+void matvec_q4_table(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
+                     int64_t k, int64_t c0, int64_t c1, float* out, int64_t ldo) {
+  const int64_t units = k / UNIT;
+  constexpr int64_t bytes = KIND == Q4_1 ? 20 : 18, at = KIND == Q4_1 ? 4 : 2;
+  const __m512 levels = KIND == Q4_1
+      ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+      : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t c = c0; c < c1; c++) {
+    const uint8_t* row = w + c * row_bytes;
+    // Per row: the sums of the low and the high nibbles, with even and odd blocks apart (four
+    // independent FMA chains per row: enough to hide their latency for one row).
+    __m512 acc[R][4];
+    for (int r = 0; r < R; r++)
+      for (int a = 0; a < 4; a++) acc[r][a] = _mm512_setzero_ps();
+    auto add_unit = [&](int64_t u, auto slot) {
+      constexpr int S = decltype(slot)::value;
+      const uint8_t* b = row + u * bytes;
+      __m512 table = _mm512_mul_ps(levels, _mm512_set1_ps(half(b)));
+      if constexpr (KIND == Q4_1) table = _mm512_add_ps(table, _mm512_set1_ps(half(b + 2)));
+      const __m512i q =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at)));
+      const __m512 w0 = _mm512_permutexvar_ps(q, table);                        // elements 0..15
+      const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);  // 16..31
+      for (int r = 0; r < R; r++) {
+        const float* xu = x + r * ldx + u * UNIT;
+        acc[r][S] = _mm512_fmadd_ps(_mm512_loadu_ps(xu), w0, acc[r][S]);
+        acc[r][S + 1] = _mm512_fmadd_ps(_mm512_loadu_ps(xu + 16), w1, acc[r][S + 1]);
+      }
+    };
+    int64_t u = 0;
+    for (; u + 2 <= units; u += 2) {
+      add_unit(u, std::integral_constant<int, 0>{});
+      add_unit(u + 1, std::integral_constant<int, 2>{});
+    }
+    if (u < units) add_unit(u, std::integral_constant<int, 0>{});
+    for (int r = 0; r < R; r++) {
+      const __m512 total = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]),
+                                         _mm512_add_ps(acc[r][2], acc[r][3]));
+      out[r * ldo + c] = _mm512_reduce_add_ps(total);
+    }
+  }
+}
+#endif
+
 template <int64_t KIND, int R>
 void matvec(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t row_bytes,
             int64_t k, int64_t c0, int64_t c1, float* out, int64_t ldo) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (KIND == Q4_0 || KIND == Q4_1) {
+    matvec_q4_table<KIND, R>(x, ldx, w, row_bytes, k, c0, c1, out, ldo);
+    return;
+  }
+#endif
   const int64_t units = k / UNIT, block_bytes = format(KIND)->bytes;
   for (int64_t c = c0; c < c1; c++) {
     const uint8_t* row = w + c * row_bytes;
