@@ -211,9 +211,8 @@ def test_other_python_threads_run_during_a_step(quant_kernel) -> None:
         cos, sin = llama_step._tables(model, packed, model.config.max_len)
     args = (
         batch.ids, batch.positions, batch.slots, batch.block_tables, batch.lengths,
-        torch.tensor([0, t]), torch.tensor([t - 1]), packed.embed, packed.embed_kind,
-        packed.weights, packed.kinds, packed.parts, packed.norms, pool.keys, pool.values, cos,
-        sin, packed.sizes, packed.numbers, torch.empty(1, SMALL.vocab_size),
+        torch.tensor([0, t]), torch.tensor([t - 1]), *packed.model_args, pool.keys,
+        pool.values, cos, sin, packed.sizes, packed.numbers, torch.empty(1, SMALL.vocab_size),
     )  # fmt: skip
     ticks, stop = [0], threading.Event()
 

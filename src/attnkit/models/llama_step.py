@@ -64,6 +64,11 @@ class _Packed:
     cos: Tensor | None = None  # (P, d) float32, positions 0 .. P - 1
     sin: Tensor | None = None
 
+    @property
+    def model_args(self) -> tuple:
+        """The weights as both kernel steps take them, in their order."""
+        return self.embed, self.embed_kind, self.weights, self.kinds, self.parts, self.norms
+
 
 def _modules(model: Any) -> list[Any]:
     out = [model.embed, model.norm, model.lm_head]
@@ -214,12 +219,7 @@ def step(model: Any, ids: Tensor, caches: list[KVCache], padding: Tensor | None 
     kernel.llama_step(
         ids.reshape(b).long().contiguous(),
         positions,
-        packed.embed,
-        packed.embed_kind,
-        packed.weights,
-        packed.kinds,
-        packed.parts,
-        packed.norms,
+        *packed.model_args,
         [c._key for c in caches],
         [c._value for c in caches],
         cos,
@@ -292,12 +292,7 @@ def paged_step(
         lengths.contiguous(),
         starts.contiguous(),
         out_rows.contiguous(),
-        packed.embed,
-        packed.embed_kind,
-        packed.weights,
-        packed.kinds,
-        packed.parts,
-        packed.norms,
+        *packed.model_args,
         key_pools,
         value_pools,
         cos,
