@@ -77,6 +77,27 @@ def test_a_kernel_that_cannot_be_built_is_said_in_one_line(capsys, monkeypatch) 
     assert serve.build_kernel() == "no C++ compiler ('c++') is installed"
 
 
+def test_what_loading_made_is_out_of_the_garbage_collectors_way_while_serving(monkeypatch):
+    """A full collection walks every tracked object (about 200,000 after loading torch and
+    SmolLM2: 60 ms, a pause in every stream); the server freezes them before it serves."""
+    import gc
+
+    import uvicorn
+
+    from serve_oracles import tiny_llm
+
+    seen: list[int] = []
+    monkeypatch.setattr(serve, "load_model", lambda path: tiny_llm())
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: seen.append(gc.get_freeze_count()))
+    monkeypatch.setattr(serve.signal, "signal", lambda *args: None)  # keep pytest's handlers
+    before = gc.get_freeze_count()
+    try:
+        assert serve.run(build_parser().parse_args(["serve", "--threads", "1"])) == 0
+    finally:
+        gc.unfreeze()
+    assert len(seen) == 1 and seen[0] > before + 10_000
+
+
 # The command, with the tiny model of the tests in place of SmolLM2 (load_model is the seam).
 _SERVE = """
 import sys
