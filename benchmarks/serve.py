@@ -9,10 +9,11 @@ that stream ``/v1/completions`` as server-sent events and time each event. It re
 1. load: for 1, 4, 8 and 16 concurrent clients, each streaming ``--new`` tokens (128) after a
    prompt of ``--prompt`` tokens (64; the text of random token ids, a different prompt per
    request so that the prefix cache does not help), greedy, ``ignore_eos`` so every request
-   runs to its length: aggregate tokens/s (all tokens over the wall time of the round), time to
-   first token and inter-token latency (p50 and p99 over every request and gap between two
-   text events: an event carries one token, or the few a character spans), and the speed-up
-   over one client;
+   runs to its length: aggregate tokens/s (all tokens over the wall time of a round; the
+   median of ``--repeats`` (3) rounds, the loads interleaved round after round, new prompts in
+   every round), time to first token and inter-token latency (p50 and p99 over every request
+   and gap between two text events of those rounds: an event carries one token, or the few a
+   character spans), and the speed-up over one client;
 2. prefix cache: time to first token (one new token) of a request whose ``--system`` (1,000)
    token system prompt is already cached, against the same request with a system prompt never
    seen (medians over ``--rounds`` requests);
@@ -127,11 +128,25 @@ def load_round(url: str, clients: int, prompt_len: int, new: int, extra: dict, s
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    ttfts = [r.ttft for r in results]
-    gaps = [g for r in results for g in r.gaps]
     return {
         "clients": clients,
         "tokens_per_s": sum(r.tokens for r in results) / wall,
+        "ttfts": [r.ttft for r in results],
+        "gaps": [g for r in results for g in r.gaps],
+    }
+
+
+def combine(rounds: Sequence[dict]) -> dict:
+    """One row from the rounds of one load: the median of their tokens/s (and the range), the
+    percentiles of every request's TTFT and every gap, all rounds pooled."""
+    ttfts = [t for r in rounds for t in r["ttfts"]]
+    gaps = [g for r in rounds for g in r["gaps"]]
+    speeds = [r["tokens_per_s"] for r in rounds]
+    return {
+        "clients": rounds[0]["clients"],
+        "tokens_per_s": statistics.median(speeds),
+        "tokens_per_s_min": min(speeds),
+        "tokens_per_s_max": max(speeds),
         "ttft_p50": percentile(ttfts, 50),
         "ttft_p99": percentile(ttfts, 99),
         "itl_p50": percentile(gaps, 50),
@@ -233,10 +248,17 @@ def measure(args: argparse.Namespace) -> dict:
         proc = start_server(argv, url, env)
         try:
             load_round(url, 1, args.prompt, 4, extra, seed=0)  # warm-up
-            for clients in args.clients:
-                row = load_round(url, clients, args.prompt, args.new, extra, seed=clients)
-                print(json.dumps({name: row}), flush=True)
-                out[name].append(row)
+            # The loads interleaved, round after round (a drift of the machine's speed hits
+            # every load alike); new prompts every round, so the prefix cache never helps.
+            rounds: dict[int, list[dict]] = {clients: [] for clients in args.clients}
+            for r in range(args.repeats):
+                for clients in args.clients:
+                    seed = 1000 * (r + 1) + clients
+                    one = load_round(url, clients, args.prompt, args.new, extra, seed=seed)
+                    said = {"round": r, "clients": clients, "tokens_per_s": one["tokens_per_s"]}
+                    print(json.dumps({name: said}), flush=True)
+                    rounds[clients].append(one)
+            out[name] = [combine(rounds[clients]) for clients in args.clients]
             if name == "attnkit":
                 out["prefix"] = prefix_cache(url, args.system, args.rounds, extra)
         finally:
@@ -249,7 +271,9 @@ def report(out: dict, args: argparse.Namespace) -> str:
         "## Serving: `attnkit serve` under load",
         "",
         f"Each client streams {args.new} tokens after a {args.prompt}-token prompt (greedy, "
-        f"to its length); {args.threads} threads.",
+        f"to its length); {args.threads} threads. Tokens/s: the median of {args.repeats} "
+        "rounds, the loads interleaved (range in brackets); TTFT and ITL percentiles over "
+        "every request and gap of those rounds.",
         "",
         "| server | clients | tokens/s | vs 1 client | TTFT p50 (ms) | TTFT p99 (ms) "
         "| ITL p50 (ms) | ITL p99 (ms) |",
@@ -260,7 +284,8 @@ def report(out: dict, args: argparse.Namespace) -> str:
         for row in rows:
             base = rows[0]["tokens_per_s"]
             lines.append(
-                f"| {name} | {row['clients']} | {row['tokens_per_s']:.1f} | "
+                f"| {name} | {row['clients']} | {row['tokens_per_s']:.1f} "
+                f"({row['tokens_per_s_min']:.0f}-{row['tokens_per_s_max']:.0f}) | "
                 f"{row['tokens_per_s'] / base:.2f}x | {row['ttft_p50'] * 1e3:.0f} | "
                 f"{row['ttft_p99'] * 1e3:.0f} | {row['itl_p50'] * 1e3:.1f} | "
                 f"{row['itl_p99'] * 1e3:.1f} |"
@@ -292,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=128, help="tokens per request (128)")
     parser.add_argument("--system", type=int, default=1000, help="cached system prompt (1,000)")
     parser.add_argument("--rounds", type=int, default=5, help="prefix-cache requests (5)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of each load (3)")
     parser.add_argument("--threads", type=int, default=2, help="threads of each server (2)")
     parser.add_argument("--kv-blocks", type=int, default=1024, help="attnkit's KV blocks (1,024)")
     parser.add_argument("--port", type=int, default=8317, help="attnkit's port; llama.cpp +1")
@@ -301,9 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.clients, args.prompt, args.new, args.system, args.rounds = [1, 2], 8, 8, 64, 2
-        args.kv_blocks = 64
-    if min(args.clients) < 1 or min(args.prompt, args.new, args.system, args.rounds) < 1:
-        parser.error("--clients, --prompt, --new, --system and --rounds must be >= 1")
+        args.kv_blocks, args.repeats = 64, 1
+    if (
+        min(args.clients) < 1
+        or min(args.prompt, args.new, args.system, args.rounds, args.repeats) < 1
+    ):
+        parser.error("--clients, --prompt, --new, --system, --rounds and --repeats must be >= 1")
     out = measure(args)
     markdown = report(out, args)
     print(markdown)

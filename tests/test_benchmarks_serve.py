@@ -1,5 +1,6 @@
 """benchmarks/serve.py: percentiles interpolate, the report gives each row's speed-up over one
-client and the prefix cache's ratio, and says when llama.cpp was not measured."""
+client and the prefix cache's ratio, and says when llama.cpp was not measured; rounds
+combine to the median speed and pooled percentiles."""
 
 from __future__ import annotations
 
@@ -26,11 +27,25 @@ def test_percentiles_interpolate_between_ranks() -> None:
     assert bench.percentile([7.0], 99) == 7.0
 
 
+def test_rounds_combine_to_the_median_speed_and_pooled_percentiles() -> None:
+    rounds = [
+        {"clients": 8, "tokens_per_s": 300.0, "ttfts": [0.1, 0.3], "gaps": [0.01, 0.02]},
+        {"clients": 8, "tokens_per_s": 360.0, "ttfts": [0.2], "gaps": [0.03]},
+        {"clients": 8, "tokens_per_s": 320.0, "ttfts": [0.4], "gaps": [0.04, 0.05]},
+    ]
+    row = bench.combine(rounds)
+    assert (row["clients"], row["tokens_per_s"]) == (8, 320.0)
+    assert (row["tokens_per_s_min"], row["tokens_per_s_max"]) == (300.0, 360.0)
+    assert row["ttft_p50"] == pytest.approx(0.25) and row["itl_p50"] == pytest.approx(0.03)
+
+
 def test_the_report_gives_speed_ups_and_the_prefix_cache_ratio() -> None:
     def row(clients, tps):
         return dict(
             clients=clients,
             tokens_per_s=tps,
+            tokens_per_s_min=tps - 1,
+            tokens_per_s_max=tps + 2,
             ttft_p50=0.1,
             ttft_p99=0.2,
             itl_p50=0.01,
@@ -42,8 +57,9 @@ def test_the_report_gives_speed_ups_and_the_prefix_cache_ratio() -> None:
         "llama.cpp": [],
         "prefix": {"cached": 0.05, "uncached": 0.5},
     }
-    args = argparse.Namespace(new=128, prompt=64, threads=2, system=1000, rounds=5)
+    args = argparse.Namespace(new=128, prompt=64, threads=2, system=1000, rounds=5, repeats=3)
     text = bench.report(out, args)
-    assert "| attnkit | 8 | 35.0 | 3.50x | 100 | 200 | 10.0 | 20.0 |" in text
+    assert "| attnkit | 8 | 35.0 (34-37) | 3.50x | 100 | 200 | 10.0 | 20.0 |" in text
+    assert "the median of 3 rounds" in text
     assert "50 ms cached, 500 ms uncached (10.0x)" in text
     assert "llama.cpp's server was not measured" in text
