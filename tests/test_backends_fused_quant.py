@@ -94,9 +94,10 @@ def _assert_product(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
-@pytest.mark.parametrize("m", [1, 2, 5, 64, 200])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 64, 200])
 def test_qmatmul_is_x_times_the_dequantized_weight(kernel, kind: Kind, m: int) -> None:
-    """m <= 8 takes the matrix-vector path (rows 4, 2, 1 at a time), larger m the tiles."""
+    """m <= 8 takes the matrix-vector path (rows 4, 2, 1 at a time, and 8 for Q4_0 / Q4_1
+    with AVX-512), larger m the tiles."""
     for n in (1, 7, 97):
         for k in _ks(kind)[-2:]:
             w = _blocks(kind, n, k, seed=n + k)
@@ -104,6 +105,23 @@ def test_qmatmul_is_x_times_the_dequantized_weight(kernel, kind: Kind, m: int) -
             out = torch.full((m, n), float("nan"))
             assert kernel.qmatmul(x, w, int(kind), out) is None
             _assert_product(out, x, _reference(w, kind, k))
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_a_row_gets_the_same_bits_alone_or_among_others(kernel, kind: Kind) -> None:
+    """The matrix-vector path takes x's rows 8, 4, 2 or 1 at a time, and each row's sums run
+    the same chains whichever: a row's product is the same bits alone or in any batch (so a
+    server's greedy request gives the same tokens alone or among others)."""
+    k = _ks(kind)[-1]
+    w = _blocks(kind, 97, k, seed=3)
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(5))
+    alone = torch.empty(8, 97)
+    for r in range(8):
+        kernel.qmatmul(x[r : r + 1].contiguous(), w, int(kind), alone[r : r + 1])
+    for m in range(2, 9):
+        together = torch.empty(m, 97)
+        kernel.qmatmul(x[:m].contiguous(), w, int(kind), together)
+        assert torch.equal(together, alone[:m]), f"{m} rows together differ from alone"
 
 
 @pytest.mark.parametrize("kind", [Kind.F32, Kind.F16, Kind.BF16], ids=lambda k: k.name)

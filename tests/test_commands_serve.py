@@ -98,6 +98,45 @@ def test_what_loading_made_is_out_of_the_garbage_collectors_way_while_serving(mo
     assert len(seen) == 1 and seen[0] > before + 10_000
 
 
+@pytest.mark.parametrize(("flag", "want"), [(["--threads", "2"], 2), ([], None)])
+def test_the_engine_gets_the_threads_and_this_thread_stays_at_one(monkeypatch, flag, want):
+    """Two threads computing in parallel keep two OpenMP pools, more threads than cores, and
+    then the steps' threads sleep between parallel regions: the model loads and the event loop
+    runs on one thread; the engine's thread has the count asked for (torch's by default)."""
+    import torch
+    import uvicorn
+
+    import attnkit.serve.engine as engine_module
+    from serve_oracles import tiny_llm
+
+    before = torch.get_num_threads()
+    seen: dict[str, int] = {}
+
+    def load_model(path):
+        seen["loading"] = torch.get_num_threads()
+        return tiny_llm()
+
+    class Recorded(engine_module.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen["engine"] = self.threads
+
+    monkeypatch.setattr(serve, "load_model", load_model)
+    monkeypatch.setattr(engine_module, "Engine", Recorded)
+    monkeypatch.setattr(
+        uvicorn.Server, "run", lambda self: seen.update(serving=torch.get_num_threads())
+    )
+    monkeypatch.setattr(serve.signal, "signal", lambda *args: None)
+    try:
+        assert serve.run(build_parser().parse_args(["serve", *flag])) == 0
+    finally:
+        import gc
+
+        gc.unfreeze()
+        torch.set_num_threads(before)
+    assert seen == {"loading": 1, "engine": want or before, "serving": 1}
+
+
 # The command, with the tiny model of the tests in place of SmolLM2 (load_model is the seam).
 _SERVE = """
 import sys

@@ -188,6 +188,22 @@ def test_stop_finishes_what_runs_then_ends_the_thread() -> None:
     assert not any(t.name == "attnkit-serve-engine" for t in threading.enumerate())
 
 
+def test_the_engines_thread_computes_with_its_own_thread_count(one_thread) -> None:
+    """Steps run with ``threads`` intra-op threads on the engine's thread, whatever the thread
+    that made the engine has (``attnkit serve`` keeps that one at one thread)."""
+    import torch
+
+    seen: list[int] = []
+    engine = Engine(tiny_model(), threads=2).start()
+    engine.submit([1, 2, 3], 3, on_event=lambda *event: seen.append(torch.get_num_threads()))
+    engine.stop(timeout=30)
+    assert len(seen) >= 3 and set(seen) == {2}
+    assert torch.get_num_threads() == 1
+    assert Engine(tiny_model()).threads == 1  # by default the count of the thread making it
+    with pytest.raises(ValueError, match="threads must be a positive int"):
+        Engine(tiny_model(), threads=0)
+
+
 def test_batched_equals_alone_with_smollm2(bundled) -> None:
     texts = ["The capital of France is", "1, 2, 3, 4,", "Hello"]
     prompts = [bundled.encode(t) for t in texts]

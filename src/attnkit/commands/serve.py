@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens computed per step")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not share prompt prefixes")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--threads", type=int, default=None, help="threads of the model's steps")
     p.add_argument(
         "--build-kernel",
         action="store_true",
@@ -90,12 +90,15 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check(args)
+    import torch
     import uvicorn
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    # The engine's thread computes with the threads asked for; this thread (the event loop)
+    # stays at one, before anything here computes: two threads that compute in parallel keep
+    # two pools of OpenMP threads, more than the cores, and then the steps' threads sleep
+    # between the step's parallel regions instead of waiting awake.
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(1)
     from attnkit.serve.app import create_app
     from attnkit.serve.engine import Engine
 
@@ -114,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         chunk_tokens=args.chunk_tokens,
         prefix_caching=not args.no_prefix_cache,
         eos_id=llm.eos_id,
+        threads=threads,
     )
     name = Path(llm.path).stem if getattr(llm, "path", None) else "attnkit"
     app = create_app(llm, engine, model_name=name, shutdown_timeout=args.shutdown_timeout)

@@ -103,6 +103,13 @@ class Engine:
         chunk_tokens: tokens per step (decoding tokens first, prompt chunks share the rest).
         prefix_caching: share full blocks of equal prefixes between requests.
         eos_id: the end-of-sequence token (``None``: only ``max_tokens`` ends a sequence).
+        threads: torch's intra-op threads for the steps of ``start``'s thread (``None``: the
+            count torch has when the engine is made). A thread's count is its own (OpenMP's);
+            the thread that loaded the model should run at one (``torch.set_num_threads(1)``
+            before loading, as ``attnkit serve`` does): a second thread that computes in
+            parallel keeps a second pool of OpenMP threads, and with more of them than cores
+            the steps' threads sleep between the step's parallel regions instead of waiting
+            awake (one SmolLM2 step of one sequence on 2 cores: 5.2 ms instead of 4.1).
     """
 
     def __init__(
@@ -116,7 +123,10 @@ class Engine:
         chunk_tokens: int = 256,
         prefix_caching: bool = True,
         eos_id: int | None = None,
+        threads: int | None = None,
     ) -> None:
+        if threads is not None and (not isinstance(threads, int) or threads <= 0):
+            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
         for name, value in (("max_batch", max_batch), ("chunk_tokens", chunk_tokens)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -143,6 +153,7 @@ class Engine:
         self.max_len = c.max_len
         self.max_batch, self.max_waiting, self.chunk_tokens = max_batch, max_waiting, chunk_tokens
         self.eos_id = eos_id
+        self.threads = threads if threads is not None else torch.get_num_threads()
         self.waiting: deque[Generation] = deque()
         self.running: list[Generation] = []
         self.counters = dict.fromkeys(
@@ -261,6 +272,7 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def _loop(self) -> None:
+        torch.set_num_threads(self.threads)  # this thread's own count (see ``threads``)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._busy() or self._abort)

@@ -409,6 +409,10 @@ constexpr bool block_dot = KIND == Q4_0 || KIND == Q4_1 || KIND == Q8_0;
 // (vpermps reads an index's low 4 bits, so a byte's low nibble needs no mask). Then each row
 // of x needs two FMAs per block: no per-block scale, no m sum(x) term, and the product is
 // x . (the exact de-quantised row) in float32.
+// How far ahead of its use W is asked for where 8 rows of x make reading it slow enough that
+// the CPU's prefetchers fall behind.
+constexpr int64_t AHEAD_BYTES = 1024;
+
 template <int64_t KIND, int R>
 void matvec_q4_table(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
                      int64_t k, int64_t c0, int64_t c1, float* out, int64_t ldo) {
@@ -439,16 +443,35 @@ void matvec_q4_table(const float* x, int64_t ldx, const uint8_t* w, int64_t row_
         acc[r][S + 1] = _mm512_fmadd_ps(_mm512_loadu_ps(xu + 16), w1, acc[r][S + 1]);
       }
     };
-    int64_t u = 0;
-    for (; u + 2 <= units; u += 2) {
-      add_unit(u, std::integral_constant<int, 0>{});
-      add_unit(u + 1, std::integral_constant<int, 2>{});
-    }
-    if (u < units) add_unit(u, std::integral_constant<int, 0>{});
-    for (int r = 0; r < R; r++) {
-      const __m512 total = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]),
-                                         _mm512_add_ps(acc[r][2], acc[r][3]));
-      out[r * ldo + c] = _mm512_reduce_add_ps(total);
+    if constexpr (R <= 4) {
+      int64_t u = 0;
+      for (; u + 2 <= units; u += 2) {
+        add_unit(u, std::integral_constant<int, 0>{});
+        add_unit(u + 1, std::integral_constant<int, 2>{});
+      }
+      if (u < units) add_unit(u, std::integral_constant<int, 0>{});
+      for (int r = 0; r < R; r++) {
+        const __m512 total = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]),
+                                           _mm512_add_ps(acc[r][2], acc[r][3]));
+        out[r * ldo + c] = _mm512_reduce_add_ps(total);
+      }
+    } else {
+      // 8 rows of x: the four chains of 8 rows would not fit the 32 registers, so the even
+      // blocks go first (chains 0 and 1), then the odd ones (2 and 3) from the L1 cache: each
+      // chain adds the same terms in the same order as above, and the sums are the same bits
+      // as with 1, 2 or 4 rows. W is read slowly enough here for the CPU's prefetchers to fall
+      // behind: the rows ahead are asked for.
+      __m512 even[R];
+      for (int64_t u = 0; u < units; u += 2) {
+        __builtin_prefetch(row + u * bytes + AHEAD_BYTES, 0, 3);
+        add_unit(u, std::integral_constant<int, 0>{});
+      }
+      for (int r = 0; r < R; r++) even[r] = _mm512_add_ps(acc[r][0], acc[r][1]);
+      for (int64_t u = 1; u < units; u += 2) add_unit(u, std::integral_constant<int, 2>{});
+      for (int r = 0; r < R; r++) {
+        const __m512 total = _mm512_add_ps(even[r], _mm512_add_ps(acc[r][2], acc[r][3]));
+        out[r * ldo + c] = _mm512_reduce_add_ps(total);
+      }
     }
   }
 }
@@ -524,7 +547,8 @@ inline void unit_sums(const float* x, int64_t m, int64_t k, float* out) {
 
 // out[r, c] = x[r] . W[c] for rows c in [c0, c1) of W (``kind``, rows of row_bytes) and the m
 // rows of x (k values each, contiguous; xsum: unit_sums of x), out rows ldo apart: x's rows
-// taken 4, 2 and 1 at a time, so each unit of W is de-quantised once for up to 4 rows. W's rows
+// taken 4, 2 and 1 at a time (and 8 for Q4_0 / Q4_1 with AVX-512), so each unit of W is
+// de-quantised once for up to 4 (8) rows; a row's sum is the same whichever. W's rows
 // go by blocks of about 128 KiB, each used by every group of x's rows while it is in the L2
 // cache (so more than 4 rows of x do not read W from memory again per group).
 inline void matvec_range(int64_t kind, const float* x, int64_t m, const float* xsum,
@@ -542,6 +566,11 @@ inline void matvec_range(int64_t kind, const float* x, int64_t m, const float* x
                         ldo);
       };
       int64_t r = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+      if constexpr (KIND == Q4_0 || KIND == Q4_1) {  // a block's table serves 8 rows
+        for (; r + 8 <= m; r += 8) rows(std::integral_constant<int, 8>{}, r);
+      }
+#endif
       for (; r + 4 <= m; r += 4) rows(std::integral_constant<int, 4>{}, r);
       for (; r + 2 <= m; r += 2) rows(std::integral_constant<int, 2>{}, r);
       for (; r < m; r++) rows(std::integral_constant<int, 1>{}, r);
