@@ -100,7 +100,7 @@ def _check_against_references(args, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("s", [1, 16, 32])
+@pytest.mark.parametrize("s", [1, 16, 24, 32])
 @pytest.mark.parametrize(("h", "h_kv"), [(9, 3), (4, 1), (8, 8)])
 def test_ragged_batches_equal_the_float64_reference(kernel, h, h_kv, s, dtype) -> None:
     """Random lengths 1..300: decode rows (one new token), prefill chunks (some new tokens after

@@ -60,13 +60,20 @@ struct Problem {
   int64_t pool_sn, pool_ss, pool_sh;  // the pools' strides (N, s, hk); d is contiguous
 };
 
-// The pool rows of keys [t0, t0 + n) of one sequence and key head, through its block table.
+// The pool rows of keys [t0, t0 + n) of one sequence and key head, through its block table:
+// block by block (one division per tile, not one per key: a division costs more than a key's
+// share of the scores when the heads are few).
 template <typename kv_t>
 inline void rows_of(const Problem& pr, const kv_t* pool, const int64_t* table, int64_t hk,
                     int64_t t0, int64_t n, const kv_t** rows) {
+  int64_t block = t0 / pr.s, at = t0 % pr.s;
+  const kv_t* base = pool + table[block] * pr.pool_sn + hk * pr.pool_sh;
   for (int64_t c = 0; c < n; c++) {
-    const int64_t p = t0 + c;
-    rows[c] = pool + table[p / pr.s] * pr.pool_sn + (p % pr.s) * pr.pool_ss + hk * pr.pool_sh;
+    rows[c] = base + at * pr.pool_ss;
+    if (++at == pr.s && c + 1 < n) {
+      at = 0;
+      base = pool + table[++block] * pr.pool_sn + hk * pr.pool_sh;
+    }
   }
 }
 
