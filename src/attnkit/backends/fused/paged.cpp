@@ -125,6 +125,57 @@ inline void add_values(const float* p, const kv_t* const* v_rows, int64_t n, int
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Lane i of the result: the sum of v[i]'s 16 lanes (pairs within 128-bit lanes, then quads,
+// then across the four 128-bit lanes).
+inline __m512 lane_sums16(const __m512* v) {
+  __m512 a[8], c[4];
+  for (int i = 0; i < 8; i++) {
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int j = 0; j < 4; j++) {
+    c[j] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u01, u23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// s[r][c] = q_r . k_c for R (at most HEADS) rows and keys [0, n), straight from the key rows
+// as stored: each key row is read once for the R rows, and 16 keys' partial sums are added up
+// across lanes together. For a decoding step's few rows this costs about half of transposing
+// the tile first (transposed_keys, which pays off when a prefill chunk brings many rows).
+// Columns [n, n_p) are zero.
+template <int R, typename kv_t>
+void direct_scores(const float* q_rows, int64_t d, int64_t d_p, const kv_t* const* k_rows,
+                   int64_t n, int64_t n_p, float* s) {
+  for (int64_t c0 = 0; c0 < n_p; c0 += 16) {
+    __m512 t[R][16];
+    for (int c = 0; c < 16; c++) {
+      __m512 acc[R];
+      for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+      if (c0 + c < n) {
+        for (int64_t e = 0; e < d_p; e += W) {
+          auto [k0, k1] = load_pair(k_rows[c0 + c] + e, d - e);
+          for (int r = 0; r < R; r++) {
+            const float* q = q_rows + r * d_p + e;
+            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q), k0, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + Vec::size()), k1, acc[r]);
+          }
+        }
+      }
+      for (int r = 0; r < R; r++) t[r][c] = acc[r];
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(s + r * TILE + c0, lane_sums16(t[r]));
+  }
+}
+#endif
+
 // Per-thread buffers of one task.
 struct Scratch {
   std::vector<float> q_rows, s, k_t, square;
@@ -163,11 +214,20 @@ void chunk_state(const Problem& pr, const kv_t* k_pool, const kv_t* v_pool, cons
     const int64_t n = std::min(TILE, j1 - t0), n_p = (n + W - 1) / W * W;
     rows_of(pr, k_pool, table, it.hk, t0, n, k_rows);
     rows_of(pr, v_pool, table, it.hk, t0, n, v_rows);
-    transposed_keys(k_rows, n, d, d_p, w.k_t.data(), w.square.data());
-    // s = q k_t^T, every row against the tile
-    by_rows(rows, [&](auto R, int64_t r0) {
-      scores<R>(w.q_rows.data() + r0 * d_p, d, d_p, w.k_t.data(), n_p, s + r0 * TILE);
-    });
+    // s = q k^T, every row against the tile
+#if defined(CPU_CAPABILITY_AVX512)
+    if (rows <= HEADS) {
+      by_rows(rows, [&](auto R, int64_t r0) {
+        direct_scores<R>(w.q_rows.data() + r0 * d_p, d, d_p, k_rows, n, n_p, s + r0 * TILE);
+      });
+    } else
+#endif
+    {
+      transposed_keys(k_rows, n, d, d_p, w.k_t.data(), w.square.data());
+      by_rows(rows, [&](auto R, int64_t r0) {
+        scores<R>(w.q_rows.data() + r0 * d_p, d, d_p, w.k_t.data(), n_p, s + r0 * TILE);
+      });
+    }
     // the logits (causal: keys [0, context + k] of the tile's columns) and the online softmax
     for (int64_t x = 0; x < rows; x++) {
       float* s_row = s + x * TILE;
