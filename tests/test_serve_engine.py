@@ -200,7 +200,7 @@ def test_the_engines_thread_computes_with_its_own_thread_count(one_thread) -> No
     assert len(seen) >= 3 and set(seen) == {2}
     assert torch.get_num_threads() == 1
     assert Engine(tiny_model()).threads == 1  # by default the count of the thread making it
-    with pytest.raises(ValueError, match="threads must be a positive int"):
+    with pytest.raises(ValueError, match="threads must be a positive int, got 0"):
         Engine(tiny_model(), threads=0)
 
 

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     # raises the signal again under the handler that was there before: a quiet one, so the
     # process ends with 0 after a clean shutdown instead of dying by the signal.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    # What loading made (torch, the model, the tokenizer, the application: about 180,000
+    # What loading made (torch, the model, the tokenizer, the application: about 200,000
     # objects) lives as long as the server: the cyclic garbage collector leaves it alone from
     # now on, so its collections during serving walk the requests' objects only.
     gc.freeze()

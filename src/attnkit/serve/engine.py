@@ -125,9 +125,10 @@ class Engine:
         eos_id: int | None = None,
         threads: int | None = None,
     ) -> None:
-        if threads is not None and (not isinstance(threads, int) or threads <= 0):
-            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
-        for name, value in (("max_batch", max_batch), ("chunk_tokens", chunk_tokens)):
+        counts = {"max_batch": max_batch, "chunk_tokens": chunk_tokens}
+        if threads is not None:
+            counts["threads"] = threads
+        for name, value in counts.items():
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(max_waiting, int) or max_waiting < 0:

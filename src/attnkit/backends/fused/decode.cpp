@@ -66,35 +66,6 @@ void transposed_keys(const kv_t* k_rows, int64_t k_sj, int64_t n, int64_t d, int
   }
 }
 
-// acc_r += sum_c p[r][c] v_c for R query heads, the value rows read from the cache as stored
-// (bfloat16 widened in registers): each value vector is loaded once for the R heads, whose sums
-// stay in registers (two vectors of d per head). A masked key is skipped, not weighted by 0: a
-// NaN there must not reach the output (0 * NaN is NaN).
-template <int R, typename kv_t>
-inline void add_values(const float* p, const kv_t* v_rows, int64_t v_sj, int64_t n, int64_t d,
-                       int64_t d_p, const bool* mask, int64_t mask_sj, float* acc) {
-  for (int64_t e = 0; e < d_p; e += W) {
-    Vec lo[R], hi[R];
-    for (int r = 0; r < R; r++) {
-      lo[r] = Vec::loadu(acc + r * d_p + e);
-      hi[r] = Vec::loadu(acc + r * d_p + e + Vec::size());
-    }
-    for (int64_t c = 0; c < n; c++) {
-      if (mask != nullptr && !mask[c * mask_sj]) continue;
-      auto [v0, v1] = load_pair(v_rows + c * v_sj + e, d - e);
-      for (int r = 0; r < R; r++) {
-        const Vec w(p[r * TILE + c]);
-        lo[r] = at::vec::fmadd(w, v0, lo[r]);
-        hi[r] = at::vec::fmadd(w, v1, hi[r]);
-      }
-    }
-    for (int r = 0; r < R; r++) {
-      lo[r].store(acc + r * d_p + e);
-      hi[r].store(acc + r * d_p + e + Vec::size());
-    }
-  }
-}
-
 // One task: query heads [hk * g, (hk + 1) * g) of batch row b against keys [j0, j1). Leaves the
 // unnormalised state in m (g), l (g), acc (g x d_p).
 template <typename kv_t>
@@ -135,8 +106,10 @@ void chunk_state(const Problem& pr, const kv_t* k_head, int64_t k_sj, const kv_t
     }
     // acc += p v_t
     by_rows(g, [&](auto R, int64_t r0) {
-      add_values<R>(s + r0 * TILE, v_head + t0 * v_sj, v_sj, n, d, d_p, tile_mask, pr.mask_sj,
-                    acc + r0 * d_p);
+      add_values<R>(
+          s + r0 * TILE, [&](int64_t c) { return v_head + (t0 + c) * v_sj; }, n, d, d_p,
+          [&](int64_t c) { return tile_mask == nullptr || tile_mask[c * pr.mask_sj]; },
+          acc + r0 * d_p);
     });
   }
 }

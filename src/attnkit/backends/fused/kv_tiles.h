@@ -2,7 +2,9 @@
 // cache) and paged.cpp (several query positions over a paged pool) share: the tile sizes, rows
 // of keys or values read as float32 vectors (bfloat16 widened in registers), how long caches
 // are split into chunks, asking for rows ahead of their use, the scores of a few query rows
-// against a transposed key tile, and blocks of rows kept in registers.
+// against a transposed key tile, the weighted sum of value rows (which takes a row's address
+// from a function of its index: a stride in decode.cpp, a block table in paged.cpp), and
+// blocks of rows kept in registers.
 #pragma once
 
 #include <torch/extension.h>
@@ -86,6 +88,35 @@ inline void scores(const float* q_rows, int64_t d, int64_t d_p, const float* k_t
     for (int r = 0; r < R; r++) {
       lo[r].store(s + r * TILE + c);
       hi[r].store(s + r * TILE + c + Vec::size());
+    }
+  }
+}
+
+// acc_r += sum_c p[r][c] v_c for R rows and keys [0, n), value row c at value(c) as stored
+// (bfloat16 widened in registers): each value vector is loaded once for the R rows, whose sums
+// stay in registers (two vectors of d per row). A key with keep(c) false is skipped, not
+// weighted by 0: a NaN there must not reach the output (0 * NaN is NaN).
+template <int R, typename Value, typename Keep>
+inline void add_values(const float* p, Value&& value, int64_t n, int64_t d, int64_t d_p,
+                       Keep&& keep, float* acc) {
+  for (int64_t e = 0; e < d_p; e += W) {
+    Vec lo[R], hi[R];
+    for (int r = 0; r < R; r++) {
+      lo[r] = Vec::loadu(acc + r * d_p + e);
+      hi[r] = Vec::loadu(acc + r * d_p + e + Vec::size());
+    }
+    for (int64_t c = 0; c < n; c++) {
+      if (!keep(c)) continue;
+      auto [v0, v1] = load_pair(value(c) + e, d - e);
+      for (int r = 0; r < R; r++) {
+        const Vec w(p[r * TILE + c]);
+        lo[r] = at::vec::fmadd(w, v0, lo[r]);
+        hi[r] = at::vec::fmadd(w, v1, hi[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      lo[r].store(acc + r * d_p + e);
+      hi[r].store(acc + r * d_p + e + Vec::size());
     }
   }
 }

@@ -98,33 +98,6 @@ void transposed_keys(const kv_t* const* k_rows, int64_t n, int64_t d, int64_t d_
   }
 }
 
-// acc_r += sum_c p[r][c] v_c for R rows, the value rows read from the pool as stored: each value
-// vector is loaded once for the R rows. Only keys [0, n) are read, all below the sequence's
-// length (written keys); a causally blocked pair has p = 0.
-template <int R, typename kv_t>
-inline void add_values(const float* p, const kv_t* const* v_rows, int64_t n, int64_t d,
-                       int64_t d_p, float* acc) {
-  for (int64_t e = 0; e < d_p; e += W) {
-    Vec lo[R], hi[R];
-    for (int r = 0; r < R; r++) {
-      lo[r] = Vec::loadu(acc + r * d_p + e);
-      hi[r] = Vec::loadu(acc + r * d_p + e + Vec::size());
-    }
-    for (int64_t c = 0; c < n; c++) {
-      auto [v0, v1] = load_pair(v_rows[c] + e, d - e);
-      for (int r = 0; r < R; r++) {
-        const Vec w(p[r * TILE + c]);
-        lo[r] = at::vec::fmadd(w, v0, lo[r]);
-        hi[r] = at::vec::fmadd(w, v1, hi[r]);
-      }
-    }
-    for (int r = 0; r < R; r++) {
-      lo[r].store(acc + r * d_p + e);
-      hi[r].store(acc + r * d_p + e + Vec::size());
-    }
-  }
-}
-
 #if defined(CPU_CAPABILITY_AVX512)
 // Lane i of the result: the sum of v[i]'s 16 lanes (pairs within 128-bit lanes, then quads,
 // then across the four 128-bit lanes).
@@ -238,7 +211,9 @@ void chunk_state(const Problem& pr, const kv_t* k_pool, const kv_t* v_pool, cons
     }
     // acc += p v_t
     by_rows(rows, [&](auto R, int64_t r0) {
-      add_values<R>(s + r0 * TILE, v_rows, n, d, d_p, acc + r0 * d_p);
+      add_values<R>(
+          s + r0 * TILE, [&](int64_t c) { return v_rows[c]; }, n, d, d_p,
+          [](int64_t) { return true; }, acc + r0 * d_p);  // blocked keys have p = 0
     });
   }
 }
