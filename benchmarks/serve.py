@@ -61,7 +61,6 @@ class Timing:
 
     ttft: float = 0.0
     gaps: list[float] = field(default_factory=list)
-    events: int = 0
     tokens: int = 0
 
 
@@ -109,7 +108,6 @@ def stream(url: str, prompt: str, new: int, extra: dict) -> Timing:
             else:
                 timing.gaps.append(now - last)
             last = now
-            timing.events += 1
     return timing
 
 
@@ -166,16 +164,12 @@ def percentile(xs: Sequence[float], q: float) -> float:
 def prefix_cache(url: str, system: int, rounds: int, extra: dict) -> dict:
     """Median TTFT of one new token after a cached and after a never-seen system prompt."""
     rng = random.Random(1)
-
-    def tokens(n: int) -> str:
-        return text_of(rng, n)
-
-    cached_system = tokens(system)
-    stream(url, cached_system + tokens(8), 1, extra)  # fills the cache
+    cached_system = text_of(rng, system)
+    stream(url, cached_system + text_of(rng, 8), 1, extra)  # fills the cache
     cached, uncached = [], []
     for _ in range(rounds):  # alternate, so a change of load hits both
-        cached.append(stream(url, cached_system + tokens(8), 1, extra).ttft)
-        uncached.append(stream(url, tokens(system) + tokens(8), 1, extra).ttft)
+        cached.append(stream(url, cached_system + text_of(rng, 8), 1, extra).ttft)
+        uncached.append(stream(url, text_of(rng, system) + text_of(rng, 8), 1, extra).ttft)
     return {"cached": statistics.median(cached), "uncached": statistics.median(uncached)}
 
 

@@ -404,15 +404,15 @@ constexpr bool block_dot = KIND == Q4_0 || KIND == Q4_1 || KIND == Q8_0;
 // rows ldo apart; xsum: each x row's sums over units, for Q4_1's m): each unit of W is
 // de-quantised once into registers and multiplied into R accumulators.
 #if defined(CPU_CAPABILITY_AVX512)
+// How far ahead of its use W is asked for where 8 rows of x make reading it slow enough that
+// the CPU's prefetchers fall behind.
+constexpr int64_t AHEAD_BYTES = 1024;
+
 // Q4_0 / Q4_1 with AVX-512: each block's 16 possible values, de-quantised exactly as gguf does
 // ((q - 8) d, or q d + m rounded twice), make a table; the 32 nibbles pick from it
 // (vpermps reads an index's low 4 bits, so a byte's low nibble needs no mask). Then each row
 // of x needs two FMAs per block: no per-block scale, no m sum(x) term, and the product is
 // x . (the exact de-quantised row) in float32.
-// How far ahead of its use W is asked for where 8 rows of x make reading it slow enough that
-// the CPU's prefetchers fall behind.
-constexpr int64_t AHEAD_BYTES = 1024;
-
 template <int64_t KIND, int R>
 void matvec_q4_table(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
                      int64_t k, int64_t c0, int64_t c1, float* out, int64_t ldo) {
