@@ -78,14 +78,20 @@ inline void rows_of(const Problem& pr, const kv_t* pool, const int64_t* table, i
 }
 
 // One key tile in float32, transposed, k_t (d_p x TILE), so that q k_t^T is a sum of whole rows
-// (no sum across a vector's lanes); columns past n are zero (decode.cpp, rows by pointer).
+// (no sum across a vector's lanes); columns past n are zero (decode.cpp, rows by pointer). Row
+// c of the next tile's keys and values (next_n rows) is asked for with row c.
 template <typename kv_t>
 void transposed_keys(const kv_t* const* k_rows, int64_t n, int64_t d, int64_t d_p, float* k_t,
-                     float* square) {
+                     float* square, const kv_t* const* next_k, const kv_t* const* next_v,
+                     int64_t next_n) {
   const int64_t n_p = (n + W - 1) / W * W;
   for (int64_t c0 = 0; c0 < n_p; c0 += SQUARE) {
     for (int64_t c = c0; c < c0 + SQUARE; c++) {
       float* row = square + (c - c0) * d_p;
+      if (c < next_n) {
+        prefetch_row(next_k[c], d);
+        prefetch_row(next_v[c], d);
+      }
       if (c < n) {
         widen_row(k_rows[c], d, d_p, row);
       } else {
@@ -123,13 +129,19 @@ inline __m512 lane_sums16(const __m512* v) {
 // as stored: each key row is read once for the R rows, and 16 keys' partial sums are added up
 // across lanes together. For a decoding step's few rows this costs about half of transposing
 // the tile first (transposed_keys, which pays off when a prefill chunk brings many rows).
-// Columns [n, n_p) are zero.
+// Columns [n, n_p) are zero. Row c of the next tile's keys and values (next_n rows) is asked
+// for with key c (at most one group of rows asks: the first).
 template <int R, typename kv_t>
 void direct_scores(const float* q_rows, int64_t d, int64_t d_p, const kv_t* const* k_rows,
-                   int64_t n, int64_t n_p, float* s) {
+                   int64_t n, int64_t n_p, float* s, const kv_t* const* next_k,
+                   const kv_t* const* next_v, int64_t next_n) {
   for (int64_t c0 = 0; c0 < n_p; c0 += 16) {
     __m512 t[R][16];
     for (int c = 0; c < 16; c++) {
+      if (c0 + c < next_n) {
+        prefetch_row(next_k[c0 + c], d);
+        prefetch_row(next_v[c0 + c], d);
+      }
       __m512 acc[R];
       for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
       if (c0 + c < n) {
@@ -152,17 +164,20 @@ void direct_scores(const float* q_rows, int64_t d, int64_t d_p, const kv_t* cons
 // Per-thread buffers of one task.
 struct Scratch {
   std::vector<float> q_rows, s, k_t, square;
-  std::vector<const void*> k_rows, v_rows;
+  std::vector<const void*> k_rows, v_rows, next_k, next_v;  // this tile's rows, the next's
   Scratch(const Problem& pr)
       : q_rows(pr.rows_max * pr.d_p), s(pr.rows_max * TILE), k_t(pr.d_p * TILE),
-        square(SQUARE * pr.d_p), k_rows(TILE), v_rows(TILE) {}
+        square(SQUARE * pr.d_p), k_rows(TILE), v_rows(TILE), next_k(TILE), next_v(TILE) {}
 };
 
 // One task: the item's rows against its keys [j0, j1). Leaves the unnormalised state in m
 // (rows), l (rows), acc (rows x d_p). Row x = k * g + r: query position q0 + k, head hk * g + r.
+// ``after``: the task this thread takes next (or null), whose first tile is asked for while
+// this task's last one is computed; ``primed``: this task's first tile was asked for so.
 template <typename kv_t>
 void chunk_state(const Problem& pr, const kv_t* k_pool, const kv_t* v_pool, const Item& it,
-                 int64_t j0, int64_t j1, float* m, float* l, float* acc, Scratch& w) {
+                 int64_t j0, int64_t j1, float* m, float* l, float* acc, Scratch& w,
+                 const Item* after_item, const Task* after, bool primed) {
   const int64_t g = pr.g, d = pr.d, d_p = pr.d_p, rows = (it.q1 - it.q0) * g;
   const int64_t* table = pr.tables + it.seq * pr.tables_sb;
   const int64_t first = pr.starts[it.seq];
@@ -182,24 +197,52 @@ void chunk_state(const Problem& pr, const kv_t* k_pool, const kv_t* v_pool, cons
   std::fill(acc, acc + rows * d_p, 0.0f);
   auto k_rows = reinterpret_cast<const kv_t**>(w.k_rows.data());
   auto v_rows = reinterpret_cast<const kv_t**>(w.v_rows.data());
+  auto next_k = reinterpret_cast<const kv_t**>(w.next_k.data());
+  auto next_v = reinterpret_cast<const kv_t**>(w.next_v.data());
   float* s = w.s.data();
+  // The cache is read tile by tile, the next tile's rows asked for while this one's scores are
+  // computed (decode.cpp's prefetch_row), and after the last tile the next task's first: a
+  // decoding step's tasks are one or two tiles each, and a tile waited for row by row reads
+  // the cache at a third of the bandwidth.
+  const int64_t first_n = std::min(TILE, j1 - j0);
+  rows_of(pr, k_pool, table, it.hk, j0, first_n, next_k);
+  rows_of(pr, v_pool, table, it.hk, j0, first_n, next_v);
+  for (int64_t c = 0; !primed && c < first_n; c++) {
+    prefetch_row(next_k[c], d);
+    prefetch_row(next_v[c], d);
+  }
   for (int64_t t0 = j0; t0 < j1; t0 += TILE) {
     const int64_t n = std::min(TILE, j1 - t0), n_p = (n + W - 1) / W * W;
-    rows_of(pr, k_pool, table, it.hk, t0, n, k_rows);
-    rows_of(pr, v_pool, table, it.hk, t0, n, v_rows);
+    std::swap(k_rows, next_k), std::swap(v_rows, next_v);
+    int64_t next_n = std::max<int64_t>(0, std::min(TILE, j1 - t0 - TILE));
+    if (next_n > 0) {
+      rows_of(pr, k_pool, table, it.hk, t0 + TILE, next_n, next_k);
+      rows_of(pr, v_pool, table, it.hk, t0 + TILE, next_n, next_v);
+    } else if (after != nullptr) {
+      const int64_t* after_table = pr.tables + after_item->seq * pr.tables_sb;
+      next_n = std::min(TILE, after->j1 - after->j0);
+      rows_of(pr, k_pool, after_table, after_item->hk, after->j0, next_n, next_k);
+      rows_of(pr, v_pool, after_table, after_item->hk, after->j0, next_n, next_v);
+    }
     // s = q k^T, every row against the tile
 #if defined(CPU_CAPABILITY_AVX512)
     if (rows <= HEADS) {
       by_rows(rows, [&](auto R, int64_t r0) {
-        direct_scores<R>(w.q_rows.data() + r0 * d_p, d, d_p, k_rows, n, n_p, s + r0 * TILE);
+        const int64_t ask = r0 == 0 ? next_n : 0;
+        direct_scores<R>(w.q_rows.data() + r0 * d_p, d, d_p, k_rows, n, n_p, s + r0 * TILE,
+                         next_k, next_v, ask);
       });
     } else
 #endif
     {
-      transposed_keys(k_rows, n, d, d_p, w.k_t.data(), w.square.data());
+      transposed_keys(k_rows, n, d, d_p, w.k_t.data(), w.square.data(), next_k, next_v, next_n);
       by_rows(rows, [&](auto R, int64_t r0) {
         scores<R>(w.q_rows.data() + r0 * d_p, d, d_p, w.k_t.data(), n_p, s + r0 * TILE);
       });
+    }
+    for (int64_t c = n_p; c < next_n; c++) {  // the rows past this tile's width
+      prefetch_row(next_k[c], d);
+      prefetch_row(next_v[c], d);
     }
     // the logits (causal: keys [0, context + k] of the tile's columns) and the online softmax
     for (int64_t x = 0; x < rows; x++) {
@@ -250,7 +293,9 @@ void paged_kernel(const Problem& pr, const std::vector<Item>& items,
       float* tm = split ? part_m.data() + task * rows_max : m.data();
       float* tl = split ? part_l.data() + task * rows_max : l.data();
       float* ta = split ? part_acc.data() + task * rows_max * d_p : acc.data();
-      chunk_state<kv_t>(pr, k_pool, v_pool, it, tk.j0, tk.j1, tm, tl, ta, w);
+      const Task* after = task + 1 < end ? &tasks[task + 1] : nullptr;
+      chunk_state<kv_t>(pr, k_pool, v_pool, it, tk.j0, tk.j1, tm, tl, ta, w,
+                        after == nullptr ? nullptr : &items[after->item], after, task > begin);
       if (split) continue;
       for (int64_t x = 0; x < (it.q1 - it.q0) * g; x++) {
         float lse, top, log_l;
