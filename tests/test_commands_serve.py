@@ -38,6 +38,7 @@ def test_the_default_address_is_localhost() -> None:
         (["--max-batch", "32", "--chunk-tokens", "16"], "--chunk-tokens"),
         (["--max-waiting", "-1"], "--max-waiting"),
         (["--model", "no/such/model.gguf"], "does not exist"),
+        (["--kv-dtype", "float16"], "--kv-dtype"),
     ],
 )
 def test_bad_arguments_are_one_line_before_the_model_loads(capsys, monkeypatch, argv, message):
@@ -135,6 +136,38 @@ def test_the_engine_gets_the_threads_and_this_thread_stays_at_one(monkeypatch, f
         gc.unfreeze()
         torch.set_num_threads(before)
     assert seen == {"loading": 1, "engine": want or before, "serving": 1}
+
+
+@pytest.mark.parametrize(
+    ("flag", "want"), [(["--kv-dtype", "bfloat16"], "bfloat16"), ([], "float32")]
+)
+def test_the_kv_dtype_reaches_the_pool(monkeypatch, flag, want) -> None:
+    import torch
+    import uvicorn
+
+    import attnkit.serve.engine as engine_module
+    from serve_oracles import tiny_llm
+
+    before = torch.get_num_threads()
+    pools: list[torch.dtype] = []
+
+    class Recorded(engine_module.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pools.append(self.pool.keys[0].dtype)
+
+    monkeypatch.setattr(serve, "load_model", lambda path: tiny_llm())
+    monkeypatch.setattr(engine_module, "Engine", Recorded)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)
+    monkeypatch.setattr(serve.signal, "signal", lambda *args: None)
+    try:
+        assert serve.run(build_parser().parse_args(["serve", *flag])) == 0
+    finally:
+        import gc
+
+        gc.unfreeze()
+        torch.set_num_threads(before)
+    assert pools == [getattr(torch, want)]
 
 
 # The command, with the tiny model of the tests in place of SmolLM2 (load_model is the seam).

@@ -38,6 +38,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish")
     p.add_argument("--threads", type=int, default=None, help="threads of the model's steps")
     p.add_argument(
+        "--kv-dtype",
+        default="float32",
+        help="how the KV cache stores keys and values (default float32; bfloat16 holds twice "
+        "the positions in the same memory and reads half as much per step)",
+    )
+    p.add_argument(
         "--build-kernel",
         action="store_true",
         help="compile attnkit's C++ kernels before loading the model if no build is cached "
@@ -82,6 +88,8 @@ def check(args: argparse.Namespace) -> None:
             f"--chunk-tokens ({args.chunk_tokens}) must be at least --max-batch "
             f"({args.max_batch}): each running sequence decodes one token per step"
         )
+    if args.kv_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--kv-dtype must be float32 or bfloat16, got {args.kv_dtype!r}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.model is not None and not args.model.exists():
@@ -118,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         prefix_caching=not args.no_prefix_cache,
         eos_id=llm.eos_id,
         threads=threads,
+        kv_dtype=getattr(torch, args.kv_dtype),
     )
     name = Path(llm.path).stem if getattr(llm, "path", None) else "attnkit"
     app = create_app(llm, engine, model_name=name, shutdown_timeout=args.shutdown_timeout)

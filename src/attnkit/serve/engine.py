@@ -46,6 +46,8 @@ __all__ = ["Engine", "EngineStopped", "Generation", "QueueFull"]
 
 log = logging.getLogger("attnkit.serve")
 
+KV_DTYPES = (torch.float32, torch.bfloat16)  # what the pool may store keys and values in
+
 # on_event(token, finish_reason): a new token (finish None), then once (None, reason) where
 # reason is "stop" (end of sequence), "length", "cancelled" or "error".
 EventFn = Callable[[int | None, str | None], object]
@@ -103,6 +105,10 @@ class Engine:
         chunk_tokens: tokens per step (decoding tokens first, prompt chunks share the rest).
         prefix_caching: share full blocks of equal prefixes between requests.
         eos_id: the end-of-sequence token (``None``: only ``max_tokens`` ends a sequence).
+        kv_dtype: how the pool stores keys and values: ``torch.float32`` or ``torch.bfloat16``
+            (half the memory: twice the positions in the same bytes, and a decoding step over
+            long contexts reads half as much; attention still computes in float32); ``None``:
+            the model's float dtype (float32 for a quantised model).
         threads: torch's intra-op threads for the steps of ``start``'s thread (``None``: the
             count torch has when the engine is made). A thread's count is its own (OpenMP's);
             the thread that loaded the model should run at one (``torch.set_num_threads(1)``
@@ -124,7 +130,13 @@ class Engine:
         prefix_caching: bool = True,
         eos_id: int | None = None,
         threads: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"kv_dtype must be torch.float32 or torch.bfloat16 (or None: the model's), "
+                f"got {kv_dtype!r}"
+            )
         counts = {"max_batch": max_batch, "chunk_tokens": chunk_tokens}
         if threads is not None:
             counts["threads"] = threads
@@ -147,7 +159,7 @@ class Engine:
             num_layers=c.num_layers,
             num_kv_heads=c.num_kv_heads,
             head_dim=c.head_dim,
-            dtype=weight.dtype if weight.is_floating_point() else torch.float32,
+            dtype=kv_dtype or (weight.dtype if weight.is_floating_point() else torch.float32),
             device=weight.device,
         )
         self.cache = PrefixCache(self.pool, enabled=prefix_caching)
