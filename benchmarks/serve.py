@@ -11,9 +11,11 @@ that stream ``/v1/completions`` as server-sent events and time each event. It re
    request so that the prefix cache does not help), greedy, ``ignore_eos`` so every request
    runs to its length: aggregate tokens/s (all tokens over the wall time of a round; the
    median of ``--repeats`` (3) rounds, the loads interleaved round after round, new prompts in
-   every round), time to first token and inter-token latency (p50 and p99 over every request
-   and gap between two text events of those rounds: an event carries one token, or the few a
-   character spans), and the speed-up over one client;
+   every round), aggregate decode tokens/s (``decode_rate``: the tokens after each request's
+   first over the time some request was decoding), time to first token and inter-token
+   latency (p50 and p99 over every request and gap between two text events of those rounds:
+   an event carries one token, or the few a character spans), and the speed-ups over one
+   client;
 2. prefix cache: time to first token (one new token) of a request whose ``--system`` (1,000)
    token system prompt is already cached, against the same request with a system prompt never
    seen (medians over ``--rounds`` requests);
@@ -62,6 +64,23 @@ class Timing:
     ttft: float = 0.0
     gaps: list[float] = field(default_factory=list)
     tokens: int = 0
+    first: float = 0.0  # perf_counter() at the first and the last text
+    last: float = 0.0
+
+
+def decode_rate(timings: Sequence[Timing]) -> float:
+    """Aggregate decode tokens/s: every token after each request's first, over the time in
+    which some request was decoding (the union of the intervals from a request's first text
+    to its last). A server that decodes several streams at once packs more tokens into that
+    time; one that serves one request at a time gets its single-stream rate however many
+    clients wait (their waits are not decoding time)."""
+    spans = sorted((t.first, t.last) for t in timings if t.last > t.first)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    tokens = sum(t.tokens - 1 for t in timings if t.last > t.first)
+    return tokens / busy if busy > 0 else float("nan")
 
 
 @functools.cache
@@ -104,10 +123,10 @@ def stream(url: str, prompt: str, new: int, extra: dict) -> Timing:
                 continue
             now = time.perf_counter()
             if last is None:
-                timing.ttft = now - start
+                timing.ttft, timing.first = now - start, now
             else:
                 timing.gaps.append(now - last)
-            last = now
+            last = timing.last = now
     return timing
 
 
@@ -129,6 +148,7 @@ def load_round(url: str, clients: int, prompt_len: int, new: int, extra: dict, s
     return {
         "clients": clients,
         "tokens_per_s": sum(r.tokens for r in results) / wall,
+        "decode_per_s": decode_rate(results),
         "ttfts": [r.ttft for r in results],
         "gaps": [g for r in results for g in r.gaps],
     }
@@ -143,6 +163,7 @@ def combine(rounds: Sequence[dict]) -> dict:
     return {
         "clients": rounds[0]["clients"],
         "tokens_per_s": statistics.median(speeds),
+        "decode_per_s": statistics.median(r["decode_per_s"] for r in rounds),
         "tokens_per_s_min": min(speeds),
         "tokens_per_s_max": max(speeds),
         "ttft_p50": percentile(ttfts, 50),
@@ -265,22 +286,27 @@ def report(out: dict, args: argparse.Namespace) -> str:
         "## Serving: `attnkit serve` under load",
         "",
         f"Each client streams {args.new} tokens after a {args.prompt}-token prompt (greedy, "
-        f"to its length); {args.threads} threads. Tokens/s: the median of {args.repeats} "
-        "rounds, the loads interleaved (range in brackets); TTFT and ITL percentiles over "
-        "every request and gap of those rounds.",
+        f"to its length); {args.threads} threads. Tokens/s: every token over a round's wall "
+        f"time, the median of {args.repeats} rounds, the loads interleaved (range in "
+        "brackets). Decode tokens/s: every token after each request's first, over the time "
+        "in which some request was decoding (from a request's first text to its last, "
+        "overlaps counted once; prefill and queueing before a first token left out), the "
+        "median of the rounds. TTFT and ITL percentiles over every request and gap of those "
+        "rounds.",
         "",
-        "| server | clients | tokens/s | vs 1 client | TTFT p50 (ms) | TTFT p99 (ms) "
-        "| ITL p50 (ms) | ITL p99 (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| server | clients | tokens/s | vs 1 client | decode tokens/s | vs 1 client "
+        "| TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in ("attnkit", "llama.cpp"):
         rows = out[name]
         for row in rows:
-            base = rows[0]["tokens_per_s"]
+            base, decode_base = rows[0]["tokens_per_s"], rows[0]["decode_per_s"]
             lines.append(
                 f"| {name} | {row['clients']} | {row['tokens_per_s']:.1f} "
                 f"({row['tokens_per_s_min']:.0f}-{row['tokens_per_s_max']:.0f}) | "
-                f"{row['tokens_per_s'] / base:.2f}x | {row['ttft_p50'] * 1e3:.0f} | "
+                f"{row['tokens_per_s'] / base:.2f}x | {row['decode_per_s']:.1f} | "
+                f"{row['decode_per_s'] / decode_base:.2f}x | {row['ttft_p50'] * 1e3:.0f} | "
                 f"{row['ttft_p99'] * 1e3:.0f} | {row['itl_p50'] * 1e3:.1f} | "
                 f"{row['itl_p99'] * 1e3:.1f} |"
             )

@@ -33,8 +33,10 @@ def test_rounds_combine_to_the_median_speed_and_pooled_percentiles() -> None:
         {"clients": 8, "tokens_per_s": 360.0, "ttfts": [0.2], "gaps": [0.03]},
         {"clients": 8, "tokens_per_s": 320.0, "ttfts": [0.4], "gaps": [0.04, 0.05]},
     ]
+    for r, decode in zip(rounds, (410.0, 390.0, 450.0), strict=True):
+        r["decode_per_s"] = decode
     row = bench.combine(rounds)
-    assert (row["clients"], row["tokens_per_s"]) == (8, 320.0)
+    assert (row["clients"], row["tokens_per_s"], row["decode_per_s"]) == (8, 320.0, 410.0)
     assert (row["tokens_per_s_min"], row["tokens_per_s_max"]) == (300.0, 360.0)
     assert row["ttft_p50"] == pytest.approx(0.25) and row["itl_p50"] == pytest.approx(0.03)
 
@@ -46,6 +48,7 @@ def test_the_report_gives_speed_ups_and_the_prefix_cache_ratio() -> None:
             tokens_per_s=tps,
             tokens_per_s_min=tps - 1,
             tokens_per_s_max=tps + 2,
+            decode_per_s=2 * tps,
             ttft_p50=0.1,
             ttft_p99=0.2,
             itl_p50=0.01,
@@ -59,7 +62,22 @@ def test_the_report_gives_speed_ups_and_the_prefix_cache_ratio() -> None:
     }
     args = argparse.Namespace(new=128, prompt=64, threads=2, system=1000, rounds=5, repeats=3)
     text = bench.report(out, args)
-    assert "| attnkit | 8 | 35.0 (34-37) | 3.50x | 100 | 200 | 10.0 | 20.0 |" in text
+    assert "| attnkit | 8 | 35.0 (34-37) | 3.50x | 70.0 | 3.50x | 100 | 200 | 10.0 | 20.0 |" in text
     assert "the median of 3 rounds" in text
     assert "50 ms cached, 500 ms uncached (10.0x)" in text
     assert "llama.cpp's server was not measured" in text
+
+
+def test_decode_time_counts_overlapping_streams_once() -> None:
+    """Two streams decoding at once over [1, 3] and [2, 4] (3 and 5 tokens after their first):
+    8 tokens in 3 s; a third that starts after both end adds its own time; a stream of one
+    token (no decoding) adds nothing."""
+
+    def t(first, last, tokens):
+        return bench.Timing(tokens=tokens, first=first, last=last)
+
+    assert bench.decode_rate([t(1, 3, 4), t(2, 4, 6)]) == pytest.approx(8 / 3)
+    assert bench.decode_rate([t(1, 3, 4), t(2, 4, 6), t(5, 7, 3)]) == pytest.approx(10 / 5)
+    assert bench.decode_rate([t(1, 3, 4), t(9, 9, 1)]) == pytest.approx(3 / 2)
+    # one request at a time (a server without batching): the single-stream rate, however many
+    assert bench.decode_rate([t(k * 10, k * 10 + 4, 9) for k in range(8)]) == pytest.approx(2)
