@@ -242,7 +242,7 @@ def measure(args: argparse.Namespace) -> dict:
                 *(sys.executable, "-m", "attnkit.cli", "serve", "--build-kernel"),
                 *("--port", str(port)),
                 *("--threads", str(args.threads), "--max-batch", str(max(args.clients))),
-                *("--kv-blocks", str(args.kv_blocks)),
+                *("--kv-blocks", str(args.kv_blocks), "--kv-dtype", args.kv_dtype),
             ],
             {"ignore_eos": True},
         ),
@@ -286,7 +286,8 @@ def report(out: dict, args: argparse.Namespace) -> str:
         "## Serving: `attnkit serve` under load",
         "",
         f"Each client streams {args.new} tokens after a {args.prompt}-token prompt (greedy, "
-        f"to its length); {args.threads} threads. Tokens/s: every token over a round's wall "
+        f"to its length); {args.threads} threads; attnkit's KV cache in {args.kv_dtype}. "
+        "Tokens/s: every token over a round's wall "
         f"time, the median of {args.repeats} rounds, the loads interleaved (range in "
         "brackets). Decode tokens/s: every token after each request's first, over the time "
         "in which some request was decoding (from a request's first text to its last, "
@@ -340,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="rounds of each load (3)")
     parser.add_argument("--threads", type=int, default=2, help="threads of each server (2)")
     parser.add_argument("--kv-blocks", type=int, default=1024, help="attnkit's KV blocks (1,024)")
+    parser.add_argument(
+        "--kv-dtype", default="float32", help="attnkit's KV cache: float32 (default) or bfloat16"
+    )
     parser.add_argument("--port", type=int, default=8317, help="attnkit's port; llama.cpp +1")
     parser.add_argument("--no-llama-cpp", action="store_true", help="attnkit only")
     parser.add_argument("--quick", action="store_true", help="1 and 2 clients, tiny; print only")

@@ -60,7 +60,9 @@ def test_the_report_gives_speed_ups_and_the_prefix_cache_ratio() -> None:
         "llama.cpp": [],
         "prefix": {"cached": 0.05, "uncached": 0.5},
     }
-    args = argparse.Namespace(new=128, prompt=64, threads=2, system=1000, rounds=5, repeats=3)
+    args = argparse.Namespace(
+        new=128, prompt=64, threads=2, system=1000, rounds=5, repeats=3, kv_dtype="float32"
+    )
     text = bench.report(out, args)
     assert "| attnkit | 8 | 35.0 (34-37) | 3.50x | 70.0 | 3.50x | 100 | 200 | 10.0 | 20.0 |" in text
     assert "the median of 3 rounds" in text
