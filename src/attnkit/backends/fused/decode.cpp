@@ -120,14 +120,14 @@ void decode_kernel(const Problem& pr, const Tensor& key, const Tensor& value, fl
   const kv_t* v_data = value.data_ptr<kv_t>();
   const int64_t g = pr.g, d_p = pr.d_p, tasks = pr.nb * pr.hk * pr.chunks;
   // The chunks' states, merged below (only when a pair's keys are split).
-  std::vector<float> part_m, part_l, part_acc;
+  Floats part_m, part_l, part_acc;
   if (pr.chunks > 1) {
     part_m.resize(tasks * g), part_l.resize(tasks * g), part_acc.resize(tasks * g * d_p);
   }
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     note_thread();
-    std::vector<float> q_rows(g * d_p), s(g * TILE), m(g), l(g), acc(g * d_p);
-    std::vector<float> k_t(d_p * TILE), square(SQUARE * d_p);
+    Floats q_rows(g * d_p), s(g * TILE), m(g), l(g), acc(g * d_p);
+    Floats k_t(d_p * TILE), square(SQUARE * d_p);
     for (int64_t task = begin; task < end; task++) {
       const int64_t b = task / (pr.hk * pr.chunks), hk = (task / pr.chunks) % pr.hk;
       const int64_t c = task % pr.chunks;
@@ -152,7 +152,7 @@ void decode_kernel(const Problem& pr, const Tensor& key, const Tensor& value, fl
   // Merge (flash-decoding's reduction): m = max_c m_c, l = sum_c l_c 2^(m_c - m),
   // acc = sum_c acc_c 2^(m_c - m); then finish as one state.
   at::parallel_for(0, pr.nb * pr.h, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(d_p);
+    Floats acc(d_p);
     for (int64_t row = begin; row < end; row++) {
       const int64_t b = row / pr.h, h = row % pr.h, hk = h / g, r = h % g;
       const int64_t first = (b * pr.hk + hk) * pr.chunks;

@@ -163,7 +163,7 @@ void direct_scores(const float* q_rows, int64_t d, int64_t d_p, const kv_t* cons
 
 // Per-thread buffers of one task.
 struct Scratch {
-  std::vector<float> q_rows, s, k_t, square;
+  Floats q_rows, s, k_t, square;
   std::vector<const void*> k_rows, v_rows, next_k, next_v;  // this tile's rows, the next's
   Scratch(const Problem& pr)
       : q_rows(pr.rows_max * pr.d_p), s(pr.rows_max * TILE), k_t(pr.d_p * TILE),
@@ -277,7 +277,7 @@ void paged_kernel(const Problem& pr, const std::vector<Item>& items,
   // The split items' chunk states, merged below (one slot of rows_max rows per task).
   bool any_split = false;
   for (const Item& it : items) any_split |= it.chunks > 1;
-  std::vector<float> part_m, part_l, part_acc;
+  Floats part_m, part_l, part_acc;
   if (any_split) {
     part_m.resize(n_tasks * rows_max), part_l.resize(n_tasks * rows_max);
     part_acc.resize(n_tasks * rows_max * d_p);
@@ -285,7 +285,7 @@ void paged_kernel(const Problem& pr, const std::vector<Item>& items,
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     note_thread();
     Scratch w(pr);
-    std::vector<float> m(rows_max), l(rows_max), acc(rows_max * d_p);
+    Floats m(rows_max), l(rows_max), acc(rows_max * d_p);
     for (int64_t task = begin; task < end; task++) {
       const Task& tk = tasks[task];
       const Item& it = items[tk.item];
@@ -312,7 +312,7 @@ void paged_kernel(const Problem& pr, const std::vector<Item>& items,
     for (int64_t x = 0; x < (items[i].q1 - items[i].q0) * g; x++) merges.emplace_back(i, x);
   }
   at::parallel_for(0, static_cast<int64_t>(merges.size()), 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(d_p);
+    Floats acc(d_p);
     for (int64_t u = begin; u < end; u++) {
       const auto [i, x] = merges[u];
       const Item& it = items[i];

@@ -339,9 +339,9 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
   begin_parallel();
   // Activations, (t, width) each.
   const int64_t rows = std::max(t, n_out);
-  std::vector<float> x(t * e), y(rows * e), qkv(t * nqkv), attn(t * nq), proj(t * e),
-      gate(t * f), up(t * f);
-  std::vector<float> xsum(rows * (std::max(e, std::max(nq, f)) / UNIT + 1));
+  Floats x(t * e), y(rows * e), qkv(t * nqkv), attn(t * nq), proj(t * e), gate(t * f),
+      up(t * f);
+  Floats xsum(rows * (std::max(e, std::max(nq, f)) / UNIT + 1));
   with_kind(M.embed_kind, [&](auto kc) {
     for (int64_t r = 0; r < t; r++) {
       dequantize_row<decltype(kc)::value>(M.embed + id[r] * M.embed_row_bytes, e,
@@ -377,7 +377,7 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
     for (int64_t c = 0; c < t * e; c++) x[c] = x[c] + proj[c];
   }
   if (out_rows != nullptr) {  // the rows asked for, gathered (a row may be asked for twice)
-    std::vector<float> picked(n_out * e);
+    Floats picked(n_out * e);
     for (int64_t r = 0; r < n_out; r++) {
       std::copy_n(x.data() + out_rows[r] * e, e, picked.data() + r * e);
     }
