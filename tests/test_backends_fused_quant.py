@@ -1,7 +1,8 @@
 """The fused module's quantised matrix products (quant.cpp): ``dequantize`` equal to
 ``gguf.quants.dequantize`` bit for bit on random blocks of every supported GGUF type,
 ``qmatmul`` within float32 rounding of the float64 product with the de-quantised weight on both
-its paths (matrix-vector for m <= 8, tiles of W and a float32 matmul above), ``embedding`` equal
+its paths (matrix-vector for m <= 8, and up to 256 for Q4 with AVX-512; tiles of W and a
+float32 matmul above), ``embedding`` equal
 to rows of ``dequantize``, bad operands refused in a sentence before any work, the
 matrix-vector path on every intra-op thread, and the AVX2 and portable builds of the same file
 against gguf (the native class is covered by the full module).

@@ -28,8 +28,9 @@
 //
 //   dequantize(w, kind, k)       (n, k) float32, equal to gguf.quants.dequantize
 //   qmatmul(x, w, kind, out)     out = x @ dequantize(w)^T, float32 accumulation:
-//     m <= MATVEC_ROWS (decoding): each thread takes a range of W's rows and accumulates
-//       x . w with FMAs unit by unit, W read once at memory speed;
+//     m <= MATVEC_ROWS (decoding; up to 256 for Q4 with AVX-512, row_path_rows): each thread
+//       takes a range of W's rows and accumulates x . w with FMAs unit by unit, W read once at
+//       memory speed;
 //     larger m (prefill): each thread de-quantises a tile of W's rows into its own float32
 //       buffer and multiplies it with torch's float32 matmul (MKL where torch has it).
 //   embedding(ids, w, kind, k)   the selected rows de-quantised (a token embedding lookup)
@@ -50,6 +51,18 @@ namespace attnkit_fused {
 namespace {
 
 using namespace quant;
+
+// Rows of x up to which qmatmul takes the row kernels. With AVX-512 the Q4 table kernels
+// (8 rows of x at a time, each block de-quantised ahead of its FMAs) outrun de-quantising a
+// tile for torch's matmul up to a prompt of STEP_ROWS tokens (SmolLM2's Q4_1 matrices, 2
+// threads: a 256-row product about 1.6x as fast); elsewhere the tile path from MATVEC_ROWS.
+inline int64_t row_path_rows(int64_t kind) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (kind == Q4_0 || kind == Q4_1) return 256;
+#endif
+  (void)kind;
+  return MATVEC_ROWS;
+}
 
 // The matrix-vector path: rows of W split over torch's intra-op threads (quant.h matvec_range).
 void qmatmul_rows(int64_t kind, const float* x, int64_t m, const uint8_t* w, int64_t row_bytes,
@@ -146,7 +159,7 @@ void qmatmul(const Tensor& x, const Tensor& w, int64_t kind, const Tensor& out) 
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  if (m <= MATVEC_ROWS) {
+  if (m <= row_path_rows(kind)) {
     qmatmul_rows(kind, xp, m, wp, w.size(1), n, k, op);
     return;
   }
