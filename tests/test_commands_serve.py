@@ -78,24 +78,46 @@ def test_a_kernel_that_cannot_be_built_is_said_in_one_line(capsys, monkeypatch) 
     assert serve.build_kernel() == "no C++ compiler ('c++') is installed"
 
 
+def _run_until_serving(monkeypatch, argv, *, load=None, on_engine=None, on_serve=None) -> None:
+    """``attnkit serve ARGV`` with the tiny model (or ``load(path)``) up to the point where
+    uvicorn would serve: ``on_engine(engine)`` once the engine is made, ``on_serve()`` in place
+    of serving. Restores the garbage collector and torch's thread count afterwards."""
+    import gc
+
+    import torch
+    import uvicorn
+
+    import attnkit.serve.engine as engine_module
+    from serve_oracles import tiny_llm
+
+    class Recorded(engine_module.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if on_engine is not None:
+                on_engine(self)
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(serve, "load_model", load or (lambda path: tiny_llm()))
+    monkeypatch.setattr(engine_module, "Engine", Recorded)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: on_serve and on_serve())
+    monkeypatch.setattr(serve.signal, "signal", lambda *args: None)  # keep pytest's handlers
+    try:
+        assert serve.run(build_parser().parse_args(["serve", *argv])) == 0
+    finally:
+        gc.unfreeze()
+        torch.set_num_threads(before)
+
+
 def test_what_loading_made_is_out_of_the_garbage_collectors_way_while_serving(monkeypatch):
     """A full collection walks every tracked object (about 200,000 after loading torch and
     SmolLM2: 60 ms, a pause in every stream); the server freezes them before it serves."""
     import gc
 
-    import uvicorn
-
-    from serve_oracles import tiny_llm
-
     seen: list[int] = []
-    monkeypatch.setattr(serve, "load_model", lambda path: tiny_llm())
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self: seen.append(gc.get_freeze_count()))
-    monkeypatch.setattr(serve.signal, "signal", lambda *args: None)  # keep pytest's handlers
     before = gc.get_freeze_count()
-    try:
-        assert serve.run(build_parser().parse_args(["serve", "--threads", "1"])) == 0
-    finally:
-        gc.unfreeze()
+    _run_until_serving(
+        monkeypatch, ["--threads", "1"], on_serve=lambda: seen.append(gc.get_freeze_count())
+    )
     assert len(seen) == 1 and seen[0] > before + 10_000
 
 
@@ -105,9 +127,7 @@ def test_the_engine_gets_the_threads_and_this_thread_stays_at_one(monkeypatch, f
     then the steps' threads sleep between parallel regions: the model loads and the event loop
     runs on one thread; the engine's thread has the count asked for (torch's by default)."""
     import torch
-    import uvicorn
 
-    import attnkit.serve.engine as engine_module
     from serve_oracles import tiny_llm
 
     before = torch.get_num_threads()
@@ -117,24 +137,13 @@ def test_the_engine_gets_the_threads_and_this_thread_stays_at_one(monkeypatch, f
         seen["loading"] = torch.get_num_threads()
         return tiny_llm()
 
-    class Recorded(engine_module.Engine):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            seen["engine"] = self.threads
-
-    monkeypatch.setattr(serve, "load_model", load_model)
-    monkeypatch.setattr(engine_module, "Engine", Recorded)
-    monkeypatch.setattr(
-        uvicorn.Server, "run", lambda self: seen.update(serving=torch.get_num_threads())
+    _run_until_serving(
+        monkeypatch,
+        flag,
+        load=load_model,
+        on_engine=lambda engine: seen.update(engine=engine.threads),
+        on_serve=lambda: seen.update(serving=torch.get_num_threads()),
     )
-    monkeypatch.setattr(serve.signal, "signal", lambda *args: None)
-    try:
-        assert serve.run(build_parser().parse_args(["serve", *flag])) == 0
-    finally:
-        import gc
-
-        gc.unfreeze()
-        torch.set_num_threads(before)
     assert seen == {"loading": 1, "engine": want or before, "serving": 1}
 
 
@@ -143,30 +152,11 @@ def test_the_engine_gets_the_threads_and_this_thread_stays_at_one(monkeypatch, f
 )
 def test_the_kv_dtype_reaches_the_pool(monkeypatch, flag, want) -> None:
     import torch
-    import uvicorn
 
-    import attnkit.serve.engine as engine_module
-    from serve_oracles import tiny_llm
-
-    before = torch.get_num_threads()
     pools: list[torch.dtype] = []
-
-    class Recorded(engine_module.Engine):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            pools.append(self.pool.keys[0].dtype)
-
-    monkeypatch.setattr(serve, "load_model", lambda path: tiny_llm())
-    monkeypatch.setattr(engine_module, "Engine", Recorded)
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)
-    monkeypatch.setattr(serve.signal, "signal", lambda *args: None)
-    try:
-        assert serve.run(build_parser().parse_args(["serve", *flag])) == 0
-    finally:
-        import gc
-
-        gc.unfreeze()
-        torch.set_num_threads(before)
+    _run_until_serving(
+        monkeypatch, flag, on_engine=lambda engine: pools.append(engine.pool.keys[0].dtype)
+    )
     assert pools == [getattr(torch, want)]
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnkit.backends.fused.decode import KV_DTYPES
 from attnkit.models.llama import LlamaModel
 from attnkit.models.llama_generate import Sampling
 from attnkit.serve.forward import PagedBatch, paged_forward
@@ -45,8 +46,6 @@ from attnkit.serve.prefix import PrefixCache, block_hashes
 __all__ = ["Engine", "EngineStopped", "Generation", "QueueFull"]
 
 log = logging.getLogger("attnkit.serve")
-
-KV_DTYPES = (torch.float32, torch.bfloat16)  # what the pool may store keys and values in
 
 # on_event(token, finish_reason): a new token (finish None), then once (None, reason) where
 # reason is "stop" (end of sequence), "length", "cancelled" or "error".

@@ -28,7 +28,7 @@
 //
 //   dequantize(w, kind, k)       (n, k) float32, equal to gguf.quants.dequantize
 //   qmatmul(x, w, kind, out)     out = x @ dequantize(w)^T, float32 accumulation:
-//     m <= MATVEC_ROWS (decoding; up to 256 for Q4 with AVX-512, row_path_rows): each thread
+//     m <= MATVEC_ROWS (decoding; STEP_ROWS for Q4 with AVX-512, row_path_rows): each thread
 //       takes a range of W's rows and accumulates x . w with FMAs unit by unit, W read once at
 //       memory speed;
 //     larger m (prefill): each thread de-quantises a tile of W's rows into its own float32
@@ -52,13 +52,12 @@ namespace {
 
 using namespace quant;
 
-// Rows of x up to which qmatmul takes the row kernels. With AVX-512 the Q4 table kernels
-// (8 rows of x at a time, each block de-quantised ahead of its FMAs) outrun de-quantising a
-// tile for torch's matmul up to a prompt of STEP_ROWS tokens (SmolLM2's Q4_1 matrices, 2
-// threads: a 256-row product about 1.6x as fast); elsewhere the tile path from MATVEC_ROWS.
+// Rows of x up to which qmatmul takes the row kernels: with AVX-512 the Q4 table kernels
+// outrun de-quantising a tile for torch's matmul up to STEP_ROWS (as in the step); elsewhere
+// the tile path from MATVEC_ROWS.
 inline int64_t row_path_rows(int64_t kind) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if (kind == Q4_0 || kind == Q4_1) return 256;
+  if (kind == Q4_0 || kind == Q4_1) return STEP_ROWS;
 #endif
   (void)kind;
   return MATVEC_ROWS;

@@ -46,12 +46,6 @@ namespace {
 
 using namespace quant;
 using Vec = at::vec::Vectorized<float>;
-// Rows of x up to which the step's products take the row kernels (matvec_range, each unit of W
-// de-quantised once per 4 rows, W's rows re-read from cache per 4 rows) rather than the tile
-// path: on SmolLM2 with 2 threads (AVX-512) the row kernels were faster at every batch from 1
-// to 32 rows (a 16-row step 29 ms against 37 ms) and for prefill chunks of 16 to 256 tokens
-// (893 against 840 tokens/s at 256); the server's steps hold at most 256 rows by default.
-constexpr int64_t STEP_ROWS = 256;
 
 // One matrix (n, k) as consecutive row blocks ("parts"), each in its own block format: a
 // ConcatLinear ([q; k; v] stored in two types) or a single QuantizedLinear.
