@@ -396,7 +396,7 @@ void dequantize_row(const uint8_t* row, int64_t k, float* out) {
 // Whether the products sum a kind's 32-value blocks as d (x . q) (+ m sum(x) for Q4_1): one
 // multiply per value and the scale once per block, as ggml's dot products do (without
 // quantising x). Q6_K (two scales per unit) and plain rows multiply de-quantised values. With
-// AVX-512, Q4_0 and Q4_1 take matvec_q4_table instead (below).
+// AVX-512, Q4_0, Q4_1 and Q8_0 take matvec_exact instead (below).
 template <int64_t KIND>
 constexpr bool block_dot = KIND == Q4_0 || KIND == Q4_1 || KIND == Q8_0;
 
@@ -409,16 +409,24 @@ constexpr bool block_dot = KIND == Q4_0 || KIND == Q4_1 || KIND == Q8_0;
 // had the 8-row product of such rows at 68 GMAC/s against 85).
 constexpr int64_t AHEAD_BYTES = 2048;
 
-// Q4_0 / Q4_1 with AVX-512: each block's 16 possible values, de-quantised exactly as gguf does
-// ((q - 8) d, or q d + m rounded twice), make a table; the 32 nibbles pick from it
-// (vpermps reads an index's low 4 bits, so a byte's low nibble needs no mask). Then each row
-// of x needs two FMAs per block: no per-block scale, no m sum(x) term, and the product is
-// x . (the exact de-quantised row) in float32.
+// Q4_0, Q4_1 and Q8_0 with AVX-512: each block is de-quantised exactly as gguf does into two
+// vectors of 16 values, and each row of x needs two FMAs per block (no per-block scale, no
+// m sum(x) term): the product is x . (the exact de-quantised row) in float32.
+//   Q4_0 / Q4_1: the block's 16 possible values ((q - 8) d, or q d + m rounded twice) make a
+//     table and the 32 nibbles pick from it (vpermps reads an index's low 4 bits, so a byte's
+//     low nibble needs no mask);
+//   Q8_0: q d, exact in float32 (8 bits of q times 11 of d).
+// Q8_0 as x . q per block, then times d (``matvec``), costs three multiply-adds per row and
+// block where this costs two, and it reads 4 rows of x at a time; this takes 8.
+template <int64_t KIND>
+constexpr bool exact_rows = KIND == Q4_0 || KIND == Q4_1 || KIND == Q8_0;
+
 template <int64_t KIND, int R>
-void matvec_q4_table(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
-                     int64_t k, int64_t c0, int64_t c1, float* out, int64_t ldo) {
+void matvec_exact(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t k,
+                  int64_t c0, int64_t c1, float* out, int64_t ldo) {
   const int64_t units = k / UNIT;
-  constexpr int64_t bytes = KIND == Q4_1 ? 20 : 18, at = KIND == Q4_1 ? 4 : 2;
+  constexpr int64_t bytes = KIND == Q4_1 ? 20 : KIND == Q8_0 ? 34 : 18;
+  constexpr int64_t at = KIND == Q4_1 ? 4 : 2;  // where q begins
   const __m512 levels = KIND == Q4_1
       ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
       : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -432,12 +440,19 @@ void matvec_q4_table(const float* x, int64_t ldx, const uint8_t* w, int64_t row_
     // Unit u of the row de-quantised: elements 0..15 in w0, 16..31 in w1.
     auto values = [&](int64_t u, __m512& w0, __m512& w1) {
       const uint8_t* b = row + u * bytes;
-      __m512 table = _mm512_mul_ps(levels, _mm512_set1_ps(half(b)));
-      if constexpr (KIND == Q4_1) table = _mm512_add_ps(table, _mm512_set1_ps(half(b + 2)));
-      const __m512i q =
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at)));
-      w0 = _mm512_permutexvar_ps(q, table);
-      w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+      const __m512 d = _mm512_set1_ps(half(b));
+      if constexpr (KIND == Q8_0) {
+        const __m128i* q = reinterpret_cast<const __m128i*>(b + at);
+        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
+        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
+      } else {
+        __m512 table = _mm512_mul_ps(levels, d);
+        if constexpr (KIND == Q4_1) table = _mm512_add_ps(table, _mm512_set1_ps(half(b + 2)));
+        const __m512i q =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at)));
+        w0 = _mm512_permutexvar_ps(q, table);
+        w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+      }
     };
     auto multiply = [&](int64_t u, __m512 w0, __m512 w1, auto slot) {
       constexpr int S = decltype(slot)::value;
@@ -510,8 +525,8 @@ template <int64_t KIND, int R>
 void matvec(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t row_bytes,
             int64_t k, int64_t c0, int64_t c1, float* out, int64_t ldo) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (KIND == Q4_0 || KIND == Q4_1) {
-    matvec_q4_table<KIND, R>(x, ldx, w, row_bytes, k, c0, c1, out, ldo);
+  if constexpr (exact_rows<KIND>) {
+    matvec_exact<KIND, R>(x, ldx, w, row_bytes, k, c0, c1, out, ldo);
     return;
   }
 #endif
@@ -564,6 +579,18 @@ void matvec(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, in
 }
 
 
+// Whether the row kernels read the unit sums of x for W of this kind: Q4_1's block dot
+// products (``matvec``) add m sum(x) per block; with AVX-512, ``matvec_exact`` puts m into the
+// de-quantised values and reads none (so nobody computes them: 4 passes over x per layer).
+constexpr bool needs_unit_sums(int64_t kind) {
+#if defined(CPU_CAPABILITY_AVX512)
+  (void)kind;
+  return false;
+#else
+  return kind == Q4_1;
+#endif
+}
+
 // The sums of x's units (m rows of k values: (m, k / UNIT)), which Q4_1's products need for
 // the m sum(x) term of each block.
 inline void unit_sums(const float* x, int64_t m, int64_t k, float* out) {
@@ -576,7 +603,7 @@ inline void unit_sums(const float* x, int64_t m, int64_t k, float* out) {
 
 // out[r, c] = x[r] . W[c] for rows c in [c0, c1) of W (``kind``, rows of row_bytes) and the m
 // rows of x (k values each, contiguous; xsum: unit_sums of x), out rows ldo apart: x's rows
-// taken 4, 2 and 1 at a time (and 8 for Q4_0 / Q4_1 with AVX-512), so each unit of W is
+// taken 4, 2 and 1 at a time (and 8 for Q4_0, Q4_1 and Q8_0 with AVX-512), so each unit of W is
 // de-quantised once for up to 4 (8) rows; a row's sum is the same whichever. W's rows
 // go by blocks of about 128 KiB, each used by every group of x's rows while it is in the L2
 // cache (so more than 4 rows of x do not read W from memory again per group).
@@ -596,7 +623,7 @@ inline void matvec_range(int64_t kind, const float* x, int64_t m, const float* x
       };
       int64_t r = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-      if constexpr (KIND == Q4_0 || KIND == Q4_1) {  // a block's table serves 8 rows
+      if constexpr (exact_rows<KIND>) {  // a block's values serve 8 rows
         for (; r + 8 <= m; r += 8) rows(std::integral_constant<int, 8>{}, r);
       }
 #endif

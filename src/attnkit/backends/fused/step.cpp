@@ -36,9 +36,11 @@
 #include "fused.h"
 #include "quant.h"
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <sstream>
+#include <type_traits>
 
 namespace attnkit_fused {
 
@@ -137,9 +139,16 @@ void rms_norm(const float* x, int64_t m, int64_t e, const float* weight, float e
     const float* xr = x + r * e;
     // The mean square summed in double: within rounding of torch's pairwise float32 sum,
     // where a plain float32 loop drifts (its error, carried through 30 layers, shows in the
-    // logits).
+    // logits). Eight sums of every eighth square (one vector of doubles), then added: a
+    // single chain of e dependent additions made every row of a batch wait on it.
+    double lanes[8] = {};
+    int64_t c0 = 0;
+    for (; c0 + 8 <= e; c0 += 8) {
+      for (int j = 0; j < 8; j++) lanes[j] += static_cast<double>(xr[c0 + j]) * xr[c0 + j];
+    }
     double ss = 0.0;
-    for (int64_t c = 0; c < e; c++) ss += static_cast<double>(xr[c]) * xr[c];
+    for (int j = 0; j < 8; j++) ss += lanes[j];
+    for (int64_t c = c0; c < e; c++) ss += static_cast<double>(xr[c]) * xr[c];
     const float mean_square = static_cast<float>(ss / static_cast<double>(e));
     const float inv = 1.0f / std::sqrt(mean_square + eps);
     for (int64_t c = 0; c < e; c++) y[r * e + c] = weight[c] * (xr[c] * inv);
@@ -162,7 +171,11 @@ void rope(float* x, int64_t n, int64_t d, const float* cos, const float* sin) {
 
 template <typename kv_t>
 void store_row(const float* src, int64_t d, kv_t* dst) {
-  for (int64_t c = 0; c < d; c++) dst[c] = static_cast<kv_t>(src[c]);
+  if constexpr (std::is_same_v<kv_t, float>) {
+    std::copy_n(src, d, dst);
+  } else {
+    for (int64_t c = 0; c < d; c++) dst[c] = static_cast<kv_t>(src[c]);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -342,8 +355,11 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
                                           x.data() + r * e);
     }
   });
+  bool any_sums = false;  // whether some row kernel reads x's unit sums (quant.h)
+  for (const Matrix& mat : M.mats)
+    for (const Part& p : mat.parts) any_sums = any_sums || needs_unit_sums(p.kind);
   auto sums = [&](const float* v, int64_t k) -> const float* {
-    if (t > STEP_ROWS) return nullptr;  // the tile path needs none
+    if (t > STEP_ROWS || !any_sums) return nullptr;  // the tile path needs none
     unit_sums(v, t, k, xsum.data());
     return xsum.data();
   };
@@ -360,7 +376,7 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
     }
     attend(l, qkv.data(), attn.data());
     products({{&m[1], attn.data(), sums(attn.data(), nq), proj.data()}}, t);
-    for (int64_t c = 0; c < t * e; c++) x[c] = x[c] + proj[c];
+    at::vec::map2([](Vec a, Vec b) { return a + b; }, x.data(), x.data(), proj.data(), t * e);
     rms_norm(x.data(), t, e, M.norms[2 * l + 1], M.eps, y.data());
     const float* ys = sums(y.data(), e);
     products({{&m[2], y.data(), ys, gate.data()}, {&m[3], y.data(), ys, up.data()}}, t);
@@ -368,7 +384,7 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
     at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.0f) + g.neg().exp()) * u; }, gate.data(),
                   gate.data(), up.data(), t * f);
     products({{&m[4], gate.data(), sums(gate.data(), f), proj.data()}}, t);
-    for (int64_t c = 0; c < t * e; c++) x[c] = x[c] + proj[c];
+    at::vec::map2([](Vec a, Vec b) { return a + b; }, x.data(), x.data(), proj.data(), t * e);
   }
   if (out_rows != nullptr) {  // the rows asked for, gathered (a row may be asked for twice)
     Floats picked(n_out * e);
@@ -380,7 +396,10 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
     rms_norm(x.data(), t, e, M.norms[2 * M.layers], M.eps, y.data());
   }
   const float* ys = nullptr;
-  if (n_out <= STEP_ROWS) unit_sums(y.data(), n_out, e, xsum.data()), ys = xsum.data();
+  if (n_out <= STEP_ROWS && any_sums) {
+    unit_sums(y.data(), n_out, e, xsum.data());
+    ys = xsum.data();
+  }
   products({{&M.mats.back(), y.data(), ys, logits}}, n_out);
 }
 
