@@ -131,6 +131,27 @@ def test_step_is_taken_only_for_quantised_weights_with_the_kernel_loaded(
     assert decode(model) == 0
 
 
+def test_a_replaced_projection_is_seen_before_the_next_step(quant_kernel) -> None:
+    """The packed weights follow the model's modules: a projection swapped for a float32 one
+    (or another quantised one) after steps ran is what the next step reads, or refuses."""
+    model = random_quantised(SMALL)
+    prompt = torch.tensor([[5, 7, 11, 2]])
+    caches = model.new_caches(12)
+    with torch.no_grad():
+        model(prompt, caches=caches)
+    token = prompt[:, :1]
+    other = random_quantised(SMALL, seed=1)
+    with torch.no_grad():
+        assert llama_step.why_not(model, token, caches) is None
+        model.blocks[1].ffn.down = other.blocks[1].ffn.down  # another quantised matrix
+        assert llama_step.why_not(model, token, caches) is None
+        assert any(w is other.blocks[1].ffn.down.raw for w in model._llama_step.weights)
+        down = model.blocks[1].ffn.down
+        model.blocks[1].ffn.down = torch.nn.Linear(down.in_features, down.out_features, False)
+        why = llama_step.why_not(model, token, caches)
+    assert why is not None and "layer 1" in why and "not quantised" in why
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_step_runs_on_every_intra_op_thread(quant_kernel, threads: int) -> None:
     model = random_quantised(SMALL)

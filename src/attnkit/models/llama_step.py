@@ -70,11 +70,21 @@ class _Packed:
         return self.embed, self.embed_kind, self.weights, self.kinds, self.parts, self.norms
 
 
+def _child(module: Any, name: str) -> Any:
+    """``module.name`` for a submodule (or None), read from the module's own dict: the walk
+    below runs before every step, and ``nn.Module.__getattr__`` (a Python function) made its
+    270 lookups cost about 0.4 ms, a tenth of a decoding step."""
+    children = module.__dict__["_modules"]
+    return children[name] if name in children else getattr(module, name)
+
+
 def _modules(model: Any) -> list[Any]:
-    out = [model.embed, model.norm, model.lm_head]
-    for block in model.blocks:
-        a, f = block.attn, block.ffn
-        out += [block.attn_norm, block.ffn_norm, a, a.in_proj, a.out_proj, f.gate, f.up, f.down]
+    out = [_child(model, "embed"), _child(model, "norm"), _child(model, "lm_head")]
+    for block in _child(model, "blocks").__dict__["_modules"].values():
+        a, f = _child(block, "attn"), _child(block, "ffn")
+        out += [_child(block, "attn_norm"), _child(block, "ffn_norm"), a]
+        out += [_child(a, "in_proj"), _child(a, "out_proj")]
+        out += [_child(f, "gate"), _child(f, "up"), _child(f, "down")]
     return out
 
 
