@@ -11,11 +11,13 @@ that stream ``/v1/completions`` as server-sent events and time each event. It re
    request so that the prefix cache does not help), greedy, ``ignore_eos`` so every request
    runs to its length: aggregate tokens/s (all tokens over the wall time of a round; the
    median of ``--repeats`` (3) rounds, the loads interleaved round after round, new prompts in
-   every round), aggregate decode tokens/s (``decode_rate``: the tokens after each request's
-   first over the time some request was decoding), time to first token and inter-token
-   latency (p50 and p99 over every request and gap between two text events of those rounds:
-   an event carries one token, or the few a character spans), and the speed-ups over one
-   client;
+   every round), aggregate decode tokens/s two ways (``decode_rate``: the tokens after each
+   request's first over the time some request was decoding, so the prompts of requests that
+   arrive while others decode count against it; ``all_decoding_rate``: the texts in the
+   window in which every request decodes, after all prompts and before any stream ends),
+   time to first token and inter-token latency (p50 and p99 over every request and gap
+   between two text events of those rounds: an event carries one token, or the few a
+   character spans), and the speed-ups over one client;
 2. prefix cache: time to first token (one new token) of a request whose ``--system`` (1,000)
    token system prompt is already cached, against the same request with a system prompt never
    seen (medians over ``--rounds`` requests);
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import random
 import statistics
@@ -66,6 +69,7 @@ class Timing:
     tokens: int = 0
     first: float = 0.0  # perf_counter() at the first and the last text
     last: float = 0.0
+    times: list[float] = field(default_factory=list)  # perf_counter() at every text
 
 
 def decode_rate(timings: Sequence[Timing]) -> float:
@@ -81,6 +85,21 @@ def decode_rate(timings: Sequence[Timing]) -> float:
         end = max(end, b)
     tokens = sum(t.tokens - 1 for t in timings if t.last > t.first)
     return tokens / busy if busy > 0 else float("nan")
+
+
+def all_decoding_rate(timings: Sequence[Timing]) -> float:
+    """Aggregate decode tokens/s while every stream decodes: the texts that arrive between the
+    last stream's first text and the first stream's last text, over that window (every prompt
+    has been computed by then, and no stream has ended yet). With one stream it is that
+    stream's decode rate. A text is one token, or the few a character spans (then this counts
+    one: a slight undercount). NaN when there is no such window: a server that serves one
+    request at a time never decodes its streams together."""
+    lo = max(t.first for t in timings)
+    hi = min(t.last for t in timings)
+    if hi <= lo:
+        return float("nan")
+    texts = sum(1 for t in timings for at in t.times if lo < at <= hi)
+    return texts / (hi - lo)
 
 
 @functools.cache
@@ -122,6 +141,7 @@ def stream(url: str, prompt: str, new: int, extra: dict) -> Timing:
                 timing.tokens = new
                 continue
             now = time.perf_counter()
+            timing.times.append(now)
             if last is None:
                 timing.ttft, timing.first = now - start, now
             else:
@@ -149,6 +169,7 @@ def load_round(url: str, clients: int, prompt_len: int, new: int, extra: dict, s
         "clients": clients,
         "tokens_per_s": sum(r.tokens for r in results) / wall,
         "decode_per_s": decode_rate(results),
+        "together_per_s": all_decoding_rate(results),
         "ttfts": [r.ttft for r in results],
         "gaps": [g for r in results for g in r.gaps],
     }
@@ -164,6 +185,7 @@ def combine(rounds: Sequence[dict]) -> dict:
         "clients": rounds[0]["clients"],
         "tokens_per_s": statistics.median(speeds),
         "decode_per_s": statistics.median(r["decode_per_s"] for r in rounds),
+        "together_per_s": _median_known([r["together_per_s"] for r in rounds]),
         "tokens_per_s_min": min(speeds),
         "tokens_per_s_max": max(speeds),
         "ttft_p50": percentile(ttfts, 50),
@@ -171,6 +193,12 @@ def combine(rounds: Sequence[dict]) -> dict:
         "itl_p50": percentile(gaps, 50),
         "itl_p99": percentile(gaps, 99),
     }
+
+
+def _median_known(xs: Sequence[float]) -> float:
+    """The median of the values that are not NaN (NaN if none is)."""
+    known = [x for x in xs if not math.isnan(x)]
+    return statistics.median(known) if known else float("nan")
 
 
 def percentile(xs: Sequence[float], q: float) -> float:
@@ -289,25 +317,38 @@ def report(out: dict, args: argparse.Namespace) -> str:
         f"to its length); {args.threads} threads; attnkit's KV cache in {args.kv_dtype}. "
         "Tokens/s: every token over a round's wall "
         f"time, the median of {args.repeats} rounds, the loads interleaved (range in "
-        "brackets). Decode tokens/s: every token after each request's first, over the time "
-        "in which some request was decoding (from a request's first text to its last, "
-        "overlaps counted once; prefill and queueing before a first token left out), the "
-        "median of the rounds. TTFT and ITL percentiles over every request and gap of those "
-        "rounds.",
+        "brackets). Decode tokens/s, the median of the rounds, two ways. *Any decoding*: "
+        "every token after each request's first, over the time in which some request was "
+        "decoding (from a request's first text to its last, overlaps counted once; prefill "
+        "and queueing before a first token left out, but the prompts of requests that arrive "
+        "while others decode count against it). *All decoding*: the texts in the window in "
+        "which every request decodes (from the last request's first text to the first "
+        "request's last), over its length: the batch's decoding speed with every prompt "
+        "computed; n/a where the streams never decode together. TTFT and ITL percentiles "
+        "over every request and gap of those rounds.",
         "",
-        "| server | clients | tokens/s | vs 1 client | decode tokens/s | vs 1 client "
+        "| server | clients | tokens/s | vs 1 client | decode tokens/s, any decoding "
+        "| vs 1 client | decode tokens/s, all decoding | vs 1 client "
         "| TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def rate(value: float, base: float) -> str:
+        if math.isnan(value):
+            return "n/a | n/a"
+        return f"{value:.1f} | {value / base:.2f}x"
+
     for name in ("attnkit", "llama.cpp"):
         rows = out[name]
         for row in rows:
-            base, decode_base = rows[0]["tokens_per_s"], rows[0]["decode_per_s"]
+            first = rows[0]
             lines.append(
                 f"| {name} | {row['clients']} | {row['tokens_per_s']:.1f} "
                 f"({row['tokens_per_s_min']:.0f}-{row['tokens_per_s_max']:.0f}) | "
-                f"{row['tokens_per_s'] / base:.2f}x | {row['decode_per_s']:.1f} | "
-                f"{row['decode_per_s'] / decode_base:.2f}x | {row['ttft_p50'] * 1e3:.0f} | "
+                f"{row['tokens_per_s'] / first['tokens_per_s']:.2f}x | "
+                f"{rate(row['decode_per_s'], first['decode_per_s'])} | "
+                f"{rate(row['together_per_s'], first['together_per_s'])} | "
+                f"{row['ttft_p50'] * 1e3:.0f} | "
                 f"{row['ttft_p99'] * 1e3:.0f} | {row['itl_p50'] * 1e3:.1f} | "
                 f"{row['itl_p99'] * 1e3:.1f} |"
             )

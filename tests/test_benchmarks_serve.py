@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -33,10 +34,13 @@ def test_rounds_combine_to_the_median_speed_and_pooled_percentiles() -> None:
         {"clients": 8, "tokens_per_s": 360.0, "ttfts": [0.2], "gaps": [0.03]},
         {"clients": 8, "tokens_per_s": 320.0, "ttfts": [0.4], "gaps": [0.04, 0.05]},
     ]
-    for r, decode in zip(rounds, (410.0, 390.0, 450.0), strict=True):
-        r["decode_per_s"] = decode
+    for r, decode, together in zip(
+        rounds, (410.0, 390.0, 450.0), (500.0, float("nan"), 460.0), strict=True
+    ):
+        r["decode_per_s"], r["together_per_s"] = decode, together
     row = bench.combine(rounds)
     assert (row["clients"], row["tokens_per_s"], row["decode_per_s"]) == (8, 320.0, 410.0)
+    assert row["together_per_s"] == 480.0  # the median of the rounds that had such a window
     assert (row["tokens_per_s_min"], row["tokens_per_s_max"]) == (300.0, 360.0)
     assert row["ttft_p50"] == pytest.approx(0.25) and row["itl_p50"] == pytest.approx(0.03)
 
@@ -49,25 +53,31 @@ def test_the_report_gives_speed_ups_and_the_prefix_cache_ratio() -> None:
             tokens_per_s_min=tps - 1,
             tokens_per_s_max=tps + 2,
             decode_per_s=2 * tps,
+            together_per_s=3 * tps if clients == 1 else 3 * tps + 30,
             ttft_p50=0.1,
             ttft_p99=0.2,
             itl_p50=0.01,
             itl_p99=0.02,
         )
 
+    serial = {**row(8, 10.0), "together_per_s": float("nan")}
     out = {
         "attnkit": [row(1, 10.0), row(8, 35.0)],
-        "llama.cpp": [],
+        "llama.cpp": [row(1, 10.0), serial],
         "prefix": {"cached": 0.05, "uncached": 0.5},
     }
     args = argparse.Namespace(
         new=128, prompt=64, threads=2, system=1000, rounds=5, repeats=3, kv_dtype="float32"
     )
     text = bench.report(out, args)
-    assert "| attnkit | 8 | 35.0 (34-37) | 3.50x | 70.0 | 3.50x | 100 | 200 | 10.0 | 20.0 |" in text
+    want = "| attnkit | 8 | 35.0 (34-37) | 3.50x | 70.0 | 3.50x | 135.0 | 4.50x | 100 | 200 |"
+    assert want in text
+    assert "| llama.cpp | 8 | 10.0 (9-12) | 1.00x | 20.0 | 1.00x | n/a | n/a | 100 |" in text
     assert "the median of 3 rounds" in text
     assert "50 ms cached, 500 ms uncached (10.0x)" in text
-    assert "llama.cpp's server was not measured" in text
+    assert "llama.cpp's server was not measured" not in text
+    out["llama.cpp"] = []
+    assert "llama.cpp's server was not measured" in bench.report(out, args)
 
 
 def test_decode_time_counts_overlapping_streams_once() -> None:
@@ -83,3 +93,19 @@ def test_decode_time_counts_overlapping_streams_once() -> None:
     assert bench.decode_rate([t(1, 3, 4), t(9, 9, 1)]) == pytest.approx(3 / 2)
     # one request at a time (a server without batching): the single-stream rate, however many
     assert bench.decode_rate([t(k * 10, k * 10 + 4, 9) for k in range(8)]) == pytest.approx(2)
+
+
+def test_the_all_decoding_window_runs_from_the_last_first_text_to_the_first_last_text() -> None:
+    """Streams over [0, 4] (texts every 0.5 s) and [1, 5] (every 0.25 s): in (1, 4] the first
+    brings 6 texts and the second 12, 18 in 3 s; alone, a stream's own rate; streams one after
+    another (no window) give NaN."""
+
+    def t(start, end, step):
+        n = round((end - start) / step)
+        times = [start + k * step for k in range(n + 1)]
+        return bench.Timing(tokens=n + 1, first=start, last=end, times=times)
+
+    assert bench.all_decoding_rate([t(0, 4, 0.5), t(1, 5, 0.25)]) == pytest.approx(18 / 3)
+    assert bench.all_decoding_rate([t(1, 5, 0.25)]) == pytest.approx(16 / 4)
+    assert bench.decode_rate([t(1, 5, 0.25)]) == pytest.approx(16 / 4)
+    assert math.isnan(bench.all_decoding_rate([t(0, 1, 0.5), t(2, 3, 0.5)]))
