@@ -192,10 +192,13 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
         checked = loop.time()
         try:
             while True:
-                try:
-                    token, reason = await asyncio.wait_for(events.get(), 1.0)
-                except TimeoutError:
-                    token = reason = None
+                if request is None:  # a stream: a client that leaves ends the generator
+                    token, reason = await events.get()
+                else:
+                    try:
+                        token, reason = await asyncio.wait_for(events.get(), 1.0)
+                    except TimeoutError:
+                        token = reason = None
                 # A request answered at the end has no stream to fail on: ask, once a second,
                 # whether its client is still there.
                 if request is not None and loop.time() - checked >= 1.0:
