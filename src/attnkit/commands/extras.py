@@ -20,7 +20,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "train": ("sklearn", "tqdm", "safetensors"),
     "llm": ("gguf", "tokenizers", "safetensors", "jinja2", "tqdm"),
     "hf": ("transformers", "sentence_transformers", "accelerate"),
-    "serve": ("fastapi", "uvicorn"),
+    "serve": ("fastapi", "uvicorn", "uvloop", "httptools"),
 }
 
 # import name -> distribution name, where they differ
