@@ -184,7 +184,7 @@ def combine(rounds: Sequence[dict]) -> dict:
     return {
         "clients": rounds[0]["clients"],
         "tokens_per_s": statistics.median(speeds),
-        "decode_per_s": statistics.median(r["decode_per_s"] for r in rounds),
+        "decode_per_s": _median_known([r["decode_per_s"] for r in rounds]),
         "together_per_s": _median_known([r["together_per_s"] for r in rounds]),
         "tokens_per_s_min": min(speeds),
         "tokens_per_s_max": max(speeds),

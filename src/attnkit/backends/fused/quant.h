@@ -464,7 +464,7 @@ void matvec_exact(const float* x, int64_t ldx, const uint8_t* w, int64_t row_byt
     };
     // Each unit is de-quantised ahead of its products: two units ahead here, one step of two
     // units below. Made in order, a unit's 2 R FMAs fill the CPU's scheduler waiting for its
-    // table, and the next unit's table waits behind them (8 rows of x: 73 -> 88 GMAC/s on one
+    // values, and the next unit's values wait behind them (8 rows of x: 73 -> 88 GMAC/s on one
     // thread). The FMAs are the same, in the same order: the same bits.
     //
     // Units u0, u0 + 2, ... into chains S and S + 1.

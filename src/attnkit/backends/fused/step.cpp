@@ -358,15 +358,19 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
   bool any_sums = false;  // whether some row kernel reads x's unit sums (quant.h)
   for (const Matrix& mat : M.mats)
     for (const Part& p : mat.parts) any_sums = any_sums || needs_unit_sums(p.kind);
-  auto sums = [&](const float* v, int64_t k) -> const float* {
-    if (t > STEP_ROWS || !any_sums) return nullptr;  // the tile path needs none
-    unit_sums(v, t, k, xsum.data());
+  // The unit sums of v's m rows of k, where a row kernel reads them (the tile path needs none).
+  auto sums = [&](const float* v, int64_t m, int64_t k) -> const float* {
+    if (m > STEP_ROWS || !any_sums) return nullptr;
+    unit_sums(v, m, k, xsum.data());
     return xsum.data();
+  };
+  auto add_into_x = [&](const float* v) {  // the residual: x += v
+    at::vec::map2([](Vec a, Vec b) { return a + b; }, x.data(), x.data(), v, t * e);
   };
   for (int64_t l = 0; l < M.layers; l++) {
     const Matrix* m = M.mats.data() + 5 * l;  // in_proj, out_proj, gate, up, down
     rms_norm(x.data(), t, e, M.norms[2 * l], M.eps, y.data());
-    products({{&m[0], y.data(), sums(y.data(), e), qkv.data()}}, t);
+    products({{&m[0], y.data(), sums(y.data(), t, e), qkv.data()}}, t);
     for (int64_t r = 0; r < t; r++) {
       float* row = qkv.data() + r * nqkv;
       const float* c = M.cos + pos[r] * d;
@@ -375,16 +379,16 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
       rope(row + nq, hk, d, c, s);
     }
     attend(l, qkv.data(), attn.data());
-    products({{&m[1], attn.data(), sums(attn.data(), nq), proj.data()}}, t);
-    at::vec::map2([](Vec a, Vec b) { return a + b; }, x.data(), x.data(), proj.data(), t * e);
+    products({{&m[1], attn.data(), sums(attn.data(), t, nq), proj.data()}}, t);
+    add_into_x(proj.data());
     rms_norm(x.data(), t, e, M.norms[2 * l + 1], M.eps, y.data());
-    const float* ys = sums(y.data(), e);
+    const float* ys = sums(y.data(), t, e);
     products({{&m[2], y.data(), ys, gate.data()}, {&m[3], y.data(), ys, up.data()}}, t);
     // silu(gate) * up, silu(g) = g / (1 + exp(-g)), as torch's vectorised silu
     at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.0f) + g.neg().exp()) * u; }, gate.data(),
                   gate.data(), up.data(), t * f);
-    products({{&m[4], gate.data(), sums(gate.data(), f), proj.data()}}, t);
-    at::vec::map2([](Vec a, Vec b) { return a + b; }, x.data(), x.data(), proj.data(), t * e);
+    products({{&m[4], gate.data(), sums(gate.data(), t, f), proj.data()}}, t);
+    add_into_x(proj.data());
   }
   if (out_rows != nullptr) {  // the rows asked for, gathered (a row may be asked for twice)
     Floats picked(n_out * e);
@@ -395,12 +399,7 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
   } else {
     rms_norm(x.data(), t, e, M.norms[2 * M.layers], M.eps, y.data());
   }
-  const float* ys = nullptr;
-  if (n_out <= STEP_ROWS && any_sums) {
-    unit_sums(y.data(), n_out, e, xsum.data());
-    ys = xsum.data();
-  }
-  products({{&M.mats.back(), y.data(), ys, logits}}, n_out);
+  products({{&M.mats.back(), y.data(), sums(y.data(), n_out, e), logits}}, n_out);
 }
 
 // ---------------------------------------------------------------------------------------------
