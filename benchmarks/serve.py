@@ -3,8 +3,9 @@ prefix cache, beside llama.cpp's server when it is installed.
 
 The server runs in its own process (``python -m attnkit.cli serve --build-kernel``, the bundled
 SmolLM2-135M-Instruct kept quantised, ``--threads`` torch threads; the kernel is compiled first
-if the cache has none); the clients are threads of this process
-that stream ``/v1/completions`` as server-sent events and time each event. It reports:
+if the cache has none); the clients are one asyncio loop of this process, one HTTP/1.1
+connection each, that send their ``/v1/completions`` requests at the same moment, read the
+server-sent events and time each one. It reports:
 
 1. load: for 1, 4, 8 and 16 concurrent clients, each streaming ``--new`` tokens (128) after a
    prompt of ``--prompt`` tokens (64; the text of random token ids, a different prompt per
@@ -35,6 +36,7 @@ that stream ``/v1/completions`` as server-sent events and time each event. It re
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import math
@@ -44,11 +46,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
@@ -121,49 +123,103 @@ def text_of(rng: random.Random, n: int) -> str:
                 return text
 
 
+async def _stream(url: str, body: dict, connection: tuple) -> Timing:
+    """Send one ``/v1/completions`` request on an open HTTP/1.1 connection and time each text
+    event of its stream."""
+    reader, writer = connection
+    try:
+        payload = json.dumps(body).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {urlsplit(url).netloc}\r\n"
+            "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+        )
+        timing, start, last = Timing(), time.perf_counter(), None
+        writer.write(head.encode() + payload)
+        status = (await reader.readline()).decode("latin-1").strip()
+        chunked = False
+        while (header := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = header.decode("latin-1").partition(":")
+            if name.strip().lower() == "transfer-encoding":
+                chunked = "chunked" in value.lower()
+        if status.split(" ")[1:2] != ["200"]:
+            error = (await reader.read()).decode(errors="replace")[:500]
+            raise RuntimeError(f"{url} answered {status!r}: {error}")
+        pending = b""
+        async for piece in _body(reader, chunked):
+            pending += piece
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if not event.get("choices"):
+                    continue
+                reason = event["choices"][0].get("finish_reason")
+                if reason is not None:
+                    # Every request runs to its length (the end-of-sequence token is ignored or
+                    # banned), so it generated max_tokens tokens.
+                    if reason != "length":
+                        raise RuntimeError(f"a request ended by {reason!r}, not by its length")
+                    timing.tokens = body["max_tokens"]
+                    continue
+                now = time.perf_counter()
+                timing.times.append(now)
+                if last is None:
+                    timing.ttft, timing.first = now - start, now
+                else:
+                    timing.gaps.append(now - last)
+                last = timing.last = now
+        return timing
+    finally:
+        writer.close()
+
+
+async def _body(reader: asyncio.StreamReader, chunked: bool):
+    """The bytes of a response body: chunk by chunk (``Transfer-Encoding: chunked``), or as
+    they come until the server closes the connection."""
+    if not chunked:
+        while piece := await reader.read(65536):
+            yield piece
+        return
+    while True:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        if size == 0:
+            return
+        yield (await reader.readexactly(size + 2))[:-2]  # the data, then CRLF
+
+
+async def _streams(url: str, bodies: Sequence[dict]) -> list[Timing]:
+    where = urlsplit(url)
+    # Every connection first; then each task sends its request before any waits for an
+    # answer, so the requests leave together.
+    opened = [asyncio.open_connection(where.hostname, where.port) for _ in bodies]
+    connections = await asyncio.gather(*opened)
+    runs = [_stream(url, b, c) for b, c in zip(bodies, connections, strict=True)]
+    return list(await asyncio.gather(*runs))
+
+
+def streams(url: str, prompts: Sequence[str], new: int, extra: dict) -> list[Timing]:
+    """Stream one request per prompt, all sent at the same moment, each on its own connection.
+
+    The clients are one asyncio loop of this process: threads that each build a request
+    take CPU from the two cores the server computes on, so while the first request is being
+    computed the others would trickle in over tens of milliseconds."""
+    bodies = [
+        {"prompt": p, "max_tokens": new, "temperature": 0, "stream": True, **extra} for p in prompts
+    ]
+    return asyncio.run(_streams(url, bodies))
+
+
 def stream(url: str, prompt: str, new: int, extra: dict) -> Timing:
-    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True, **extra}
-    timing, start, last = Timing(), time.perf_counter(), None
-    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            if not event.get("choices"):
-                continue
-            reason = event["choices"][0].get("finish_reason")
-            if reason is not None:
-                # Every request runs to its length (the end-of-sequence token is ignored or
-                # banned), so it generated max_tokens tokens.
-                if reason != "length":
-                    raise RuntimeError(f"a request ended by {reason!r}, not by its length")
-                timing.tokens = new
-                continue
-            now = time.perf_counter()
-            timing.times.append(now)
-            if last is None:
-                timing.ttft, timing.first = now - start, now
-            else:
-                timing.gaps.append(now - last)
-            last = timing.last = now
-    return timing
+    return streams(url, [prompt], new, extra)[0]
 
 
 def load_round(url: str, clients: int, prompt_len: int, new: int, extra: dict, seed: int) -> dict:
     rng = random.Random(seed)
     prompts = [text_of(rng, prompt_len) for _ in range(clients)]
-    results: list[Timing] = [Timing()] * clients
-
-    def run(k: int) -> None:
-        results[k] = stream(url, prompts[k], new, extra)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
     start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = streams(url, prompts, new, extra)
     wall = time.perf_counter() - start
     return {
         "clients": clients,

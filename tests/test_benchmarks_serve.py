@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
+import socketserver
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -109,3 +112,96 @@ def test_the_all_decoding_window_runs_from_the_last_first_text_to_the_first_last
     assert bench.all_decoding_rate([t(1, 5, 0.25)]) == pytest.approx(16 / 4)
     assert bench.decode_rate([t(1, 5, 0.25)]) == pytest.approx(16 / 4)
     assert math.isnan(bench.all_decoding_rate([t(0, 1, 0.5), t(2, 3, 0.5)]))
+
+
+class _Scripted(socketserver.ThreadingTCPServer):
+    """A server that answers each ``/v1/completions`` request only once ``clients`` requests
+    have arrived (so the clients must send together), with ``reply(body)``'s bytes."""
+
+    daemon_threads = True
+
+    def __init__(self, clients: int, reply) -> None:
+        self.arrived = threading.Barrier(clients, timeout=10)
+        self.reply = reply
+        super().__init__(("127.0.0.1", 0), _Handler)
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            head += self.rfile.read(1)
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        body = json.loads(self.rfile.read(length))
+        self.server.arrived.wait()
+        self.wfile.write(self.server.reply(body))
+
+
+def _chunked(pieces: list[bytes]) -> bytes:
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    return head + b"Transfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n"
+
+
+def _events(body: dict, reason: str = "length") -> list[bytes]:
+    texts = [{"choices": [{"text": f"t{k}", "finish_reason": None}]} for k in range(3)]
+    done = {"choices": [{"text": "", "finish_reason": reason}]}
+    return [b"data: " + json.dumps(e).encode() + b"\r\n\r\n" for e in [*texts, done]] + [
+        b"data: [DONE]\r\n\r\n"
+    ]
+
+
+@pytest.fixture
+def scripted():
+    servers = []
+
+    def start(clients: int, reply) -> str:
+        server = _Scripted(clients, reply)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_clients_send_together_and_time_every_text_event(scripted) -> None:
+    """Three clients; the server answers none until all three requests are in. Events split
+    across chunks and several in one chunk are each timed once; the finish event and [DONE]
+    are not texts."""
+
+    def reply(body: dict) -> bytes:
+        assert body["stream"] and body["max_tokens"] == 5 and body["ignore_eos"]
+        whole = b"".join(_events(body))
+        return _chunked([whole[:7], whole[7:50], whole[50:]])
+
+    url = scripted(3, reply)
+    timings = bench.streams(url, ["a", "b", "c"], 5, {"ignore_eos": True})
+    assert len(timings) == 3
+    for t in timings:
+        assert t.tokens == 5 and len(t.times) == 3 and len(t.gaps) == 2
+        assert t.ttft > 0 and t.first == t.times[0] and t.last == t.times[-1]
+        assert t.gaps == pytest.approx(
+            [b - a for a, b in zip(t.times[:-1], t.times[1:], strict=True)]
+        )
+
+
+def test_a_body_without_chunks_is_read_to_the_end(scripted) -> None:
+    def reply(body: dict) -> bytes:
+        return b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + b"".join(_events(body))
+
+    t = bench.stream(scripted(1, reply), "a", 7, {})
+    assert (t.tokens, len(t.times)) == (7, 3)
+
+
+def test_an_error_status_or_an_early_stop_raises(scripted) -> None:
+    def refuse(body: dict) -> bytes:
+        error = b'{"error": {"message": "max_tokens is too large"}}'
+        return b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\n\r\n" + error
+
+    with pytest.raises(RuntimeError, match=r"400 Bad Request.*max_tokens is too large"):
+        bench.stream(scripted(1, refuse), "a", 5, {})
+    with pytest.raises(RuntimeError, match="ended by 'stop'"):
+        bench.stream(scripted(1, lambda body: _chunked(_events(body, "stop"))), "a", 5, {})
