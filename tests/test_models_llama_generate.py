@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnkit.models.llama import PretrainedLlama, load_pretrained
-from attnkit.models.llama_generate import Sampling, left_pad, text_pieces
+from attnkit.models.llama_generate import Sampling, argmax, left_pad, text_pieces
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -35,6 +35,23 @@ def test_greedy_is_the_argmax_and_ignores_top_k_and_top_p() -> None:
     assert torch.equal(Sampling(0.0, top_k=5, top_p=0.5).next_token(logits), expected)
     one = Sampling(1.5, top_k=1)  # sampling from a single candidate
     assert torch.equal(one.next_token(logits, torch.Generator().manual_seed(0)), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_argmax_is_torchs_with_ties_nans_and_infinities(dtype) -> None:
+    """The first largest index of each row, a NaN taken as the largest, as torch.argmax."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (64, 97), generator=g).to(dtype)  # many ties
+    logits[1, 5] = logits[1, 9] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, [4, 60]] = float("inf")
+    logits[4, 7], logits[4, 8] = float("inf"), float("nan")
+    wide = torch.randn(3, 49_152, generator=g).to(dtype)
+    for x in (logits, logits[:, ::2], logits[5:6], wide):  # strided and single rows too
+        got = argmax(x)
+        assert got.dtype == torch.long and got.shape == x.shape[:1]
+        assert torch.equal(got, x.argmax(dim=-1))
+    assert argmax(logits)[1:5].tolist() == [5, 0, 4, 8]
 
 
 def test_top_k_and_top_p_keep_the_documented_sets() -> None:

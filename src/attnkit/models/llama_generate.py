@@ -28,7 +28,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from attnkit.models.llama_tokenizer import LlamaTokenizer
 
-__all__ = ["Sampling", "decode", "left_pad", "stop_strings", "text_pieces"]
+__all__ = ["Sampling", "argmax", "decode", "left_pad", "stop_strings", "text_pieces"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Sampling:
     def next_token(self, logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """``logits (b, V)`` -> token ids ``(b,)``."""
         if self.temperature == 0:
-            return logits.argmax(dim=-1)
+            return argmax(logits)
         # The best logit of each row moves to 0 before the division, and the division is in
         # float64: a tiny temperature then sends the other scores to -inf (the argmax keeps all
         # the mass), where logits / temperature in float32 overflowed to inf - inf = NaN.
@@ -83,6 +83,16 @@ class Sampling:
             scores = scores.masked_fill(drop, -math.inf)
         probs = scores.softmax(dim=-1)
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (b,)
+
+
+def argmax(logits: Tensor) -> Tensor:
+    """``logits (b, V)`` -> ``(b,)``: ``logits.argmax(dim=-1)``, the first largest of each row
+    (a NaN counts as the largest). On CPU in float32 or float64, numpy's argmax gives the same
+    index in about a tenth of the time (a 49,152-token vocabulary: 2 us against 30 us a row,
+    paid for every token generated)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
 
 
 def left_pad(
