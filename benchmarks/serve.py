@@ -13,8 +13,8 @@ server-sent events and time each one. It reports:
    runs to its length: aggregate tokens/s (all tokens over the wall time of a round; the
    median of ``--repeats`` (3) rounds, the loads interleaved round after round, new prompts in
    every round), aggregate decode tokens/s two ways (``decode_rate``: the tokens after each
-   request's first over the time some request was decoding, so the prompts of requests that
-   arrive while others decode count against it; ``all_decoding_rate``: the texts in the
+   request's first over the time some request was decoding, so prompts computed in steps in
+   which others already decode count against it; ``all_decoding_rate``: the texts in the
    window in which every request decodes, after all prompts and before any stream ends),
    time to first token and inter-token latency (p50 and p99 over every request and gap
    between two text events of those rounds: an event carries one token, or the few a
@@ -370,14 +370,15 @@ def report(out: dict, args: argparse.Namespace) -> str:
         "## Serving: `attnkit serve` under load",
         "",
         f"Each client streams {args.new} tokens after a {args.prompt}-token prompt (greedy, "
-        f"to its length); {args.threads} threads; attnkit's KV cache in {args.kv_dtype}. "
+        f"to its length), the clients' requests sent at the same moment; {args.threads} "
+        f"threads; attnkit's KV cache in {args.kv_dtype}. "
         "Tokens/s: every token over a round's wall "
         f"time, the median of {args.repeats} rounds, the loads interleaved (range in "
         "brackets). Decode tokens/s, the median of the rounds, two ways. *Any decoding*: "
         "every token after each request's first, over the time in which some request was "
         "decoding (from a request's first text to its last, overlaps counted once; prefill "
-        "and queueing before a first token left out, but the prompts of requests that arrive "
-        "while others decode count against it). *All decoding*: the texts in the window in "
+        "and queueing before a first token left out, but prompts computed in steps in which "
+        "others already decode count against it). *All decoding*: the texts in the window in "
         "which every request decodes (from the last request's first text to the first "
         "request's last), over its length: the batch's decoding speed with every prompt "
         "computed; n/a where the streams never decode together. TTFT and ITL percentiles "
