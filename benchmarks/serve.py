@@ -170,6 +170,8 @@ async def _stream(url: str, body: dict, connection: tuple) -> Timing:
                 else:
                     timing.gaps.append(now - last)
                 last = timing.last = now
+        if not timing.tokens:
+            raise RuntimeError(f"{url}'s stream ended without a finish_reason")
         return timing
     finally:
         writer.close()

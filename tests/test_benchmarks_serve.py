@@ -196,7 +196,7 @@ def test_a_body_without_chunks_is_read_to_the_end(scripted) -> None:
     assert (t.tokens, len(t.times)) == (7, 3)
 
 
-def test_an_error_status_or_an_early_stop_raises(scripted) -> None:
+def test_an_error_status_an_early_stop_or_a_cut_off_stream_raises(scripted) -> None:
     def refuse(body: dict) -> bytes:
         error = b'{"error": {"message": "max_tokens is too large"}}'
         return b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\n\r\n" + error
@@ -205,3 +205,5 @@ def test_an_error_status_or_an_early_stop_raises(scripted) -> None:
         bench.stream(scripted(1, refuse), "a", 5, {})
     with pytest.raises(RuntimeError, match="ended by 'stop'"):
         bench.stream(scripted(1, lambda body: _chunked(_events(body, "stop"))), "a", 5, {})
+    with pytest.raises(RuntimeError, match="without a finish_reason"):  # cut off mid-stream
+        bench.stream(scripted(1, lambda body: _chunked(_events(body)[:2])), "a", 5, {})
