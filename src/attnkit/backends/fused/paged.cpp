@@ -80,11 +80,13 @@ inline void rows_of(const Problem& pr, const kv_t* pool, const int64_t* table, i
 
 // One key tile in float32, transposed, k_t (d_p x TILE), so that q k_t^T is a sum of whole rows
 // (no sum across a vector's lanes); columns past n are zero (decode.cpp, rows by pointer).
-template <typename kv_t>
+// ``ask(keys)`` before each SQUARE keys: the rows read ahead (Stream).
+template <typename kv_t, typename Ask>
 void transposed_keys(const kv_t* const* k_rows, int64_t n, int64_t d, int64_t d_p, float* k_t,
-                     float* square) {
+                     float* square, Ask&& ask) {
   const int64_t n_p = (n + W - 1) / W * W;
   for (int64_t c0 = 0; c0 < n_p; c0 += SQUARE) {
+    ask(std::min(SQUARE, n - c0));
     for (int64_t c = c0; c < c0 + SQUARE; c++) {
       float* row = square + (c - c0) * d_p;
       if (c < n) {
@@ -248,8 +250,8 @@ void chunk_state(const Problem& pr, const kv_t* k_pool, const kv_t* v_pool, cons
     } else
 #endif
     {
-      stream.ask(n);
-      transposed_keys(k_rows, n, d, d_p, w.k_t.data(), w.square.data());
+      transposed_keys(k_rows, n, d, d_p, w.k_t.data(), w.square.data(),
+                      [&](int64_t keys) { stream.ask(keys); });
       by_rows(rows, [&](auto R, int64_t r0) {
         scores<R>(w.q_rows.data() + r0 * d_p, d, d_p, w.k_t.data(), n_p, s + r0 * TILE);
       });
