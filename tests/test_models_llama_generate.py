@@ -47,9 +47,10 @@ def test_argmax_is_torchs_with_ties_nans_and_infinities(dtype) -> None:
     logits[3, [4, 60]] = float("inf")
     logits[4, 7], logits[4, 8] = float("inf"), float("nan")
     wide = torch.randn(3, 49_152, generator=g).to(dtype)
-    for x in (logits, logits[:, ::2], logits[5:6], wide):  # strided and single rows too
+    # strided and single rows too, and one row without its batch dimension
+    for x in (logits, logits[:, ::2], logits[5:6], wide, logits[4], wide[0]):
         got = argmax(x)
-        assert got.dtype == torch.long and got.shape == x.shape[:1]
+        assert got.dtype == torch.long and got.shape == x.shape[:-1]
         assert torch.equal(got, x.argmax(dim=-1))
     assert argmax(logits)[1:5].tolist() == [5, 0, 4, 8]
 
