@@ -196,6 +196,31 @@ def test_malformed_bodies_are_400_never_500(server, path, data) -> None:
     assert response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "status", "code"),
+    [
+        ("GET", "/v1/nowhere", 404, "not_found"),
+        ("POST", "/v1/embeddings", 404, "not_found"),
+        ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
+        ("DELETE", "/v1/models", 405, "method_not_allowed"),
+    ],
+)
+def test_unknown_paths_and_methods_answer_an_openai_error(server, method, path, status, code):
+    response = requests.request(method, server[0] + path, timeout=10)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and error["type"] == "invalid_request_error"
+    assert f"{method} {path}" in error["message"]
+    if status == 405:  # the methods that are allowed, named as HTTP asks
+        assert response.headers["allow"] in error["message"] and response.headers["allow"]
+
+
+def test_the_openai_client_sees_a_missing_endpoint_as_not_found(server) -> None:
+    wrong = openai.OpenAI(base_url=server[0] + "/v2", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="no such endpoint"):
+        wrong.models.list()
+
+
 def test_a_client_that_disconnects_mid_stream_gets_its_blocks_returned(llm, monkeypatch) -> None:
     import attnkit.serve.engine as engine_module
 

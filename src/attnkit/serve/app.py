@@ -68,6 +68,7 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
         from fastapi import FastAPI, Request
         from fastapi.exceptions import RequestValidationError
         from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+        from starlette.exceptions import HTTPException
     except ImportError as err:
         raise ImportError(
             "attnkit serve needs FastAPI and uvicorn: pip install 'attnkit[serve]'", name=err.name
@@ -92,6 +93,22 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
         if exc.status == 400:
             rejected["bad_request"] += 1
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Any:
+        """A path or method the server does not serve, in OpenAI's error shape too (FastAPI
+        answers ``{"detail": ...}``, which OpenAI clients show as an unexplained body)."""
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message, code = f"no such endpoint: {where} (see GET /v1/models)", "not_found"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"{where}: the method is not allowed here (allowed: {allowed})"
+            code = "method_not_allowed"
+        else:
+            message, code = f"{where}: {exc.detail}", ""
+        error = ApiError(exc.status_code, message, code=code)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Any:
