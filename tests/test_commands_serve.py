@@ -48,6 +48,60 @@ def test_bad_arguments_are_one_line_before_the_model_loads(capsys, monkeypatch, 
     assert len(err.splitlines()) == 1 and message in err and err.startswith("attnkit serve: error")
 
 
+def test_an_address_it_cannot_serve_at_is_one_line_before_the_model_loads(capsys, monkeypatch):
+    """A port another server holds, and an address that is not this machine's: exit 2 with one
+    line, before a minute of loading (uvicorn found out after the model loaded, and exited 1
+    or 3 under a page of its log)."""
+    import socket
+
+    monkeypatch.setattr(serve, "load_model", lambda path: pytest.fail("the model loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith(f"attnkit serve: error: cannot serve at 127.0.0.1:{port}: ")
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): documentation only, never a local address
+    assert main(["serve", "--host", "192.0.2.1", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot serve at 192.0.2.1:0" in err
+
+
+def test_the_bound_socket_is_what_uvicorn_serves_on(monkeypatch, capsys):
+    served: list = []
+    monkeypatch.setattr(serve, "load_model", lambda path: tiny_llm_for_serve())
+
+    import uvicorn
+
+    def run(self, sockets=None):  # what uvicorn gets: the socket, bound where asked
+        served.extend((sock, sock.getsockname()) for sock in sockets)
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    monkeypatch.setattr(serve.signal, "signal", lambda *args: None)
+    import gc
+
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert serve.run(build_parser().parse_args(["serve", "--port", "0"])) == 0
+    finally:
+        gc.unfreeze()
+        torch.set_num_threads(before)
+    ((sock, (host, port)),) = served
+    assert host == "127.0.0.1" and port > 0  # --port 0: a free port, named where to connect
+    assert f" at http://127.0.0.1:{port}/v1 " in capsys.readouterr().err
+    assert sock.fileno() == -1  # closed once the server is done
+
+
+def tiny_llm_for_serve():
+    from serve_oracles import tiny_llm
+
+    return tiny_llm()
+
+
 class _Loaded(Exception):
     """Raised by the test's model loader: the command got as far as loading the model."""
 
@@ -62,7 +116,8 @@ def test_build_kernel_compiles_before_the_model_loads_and_only_when_asked(monkey
         raise _Loaded
 
     monkeypatch.setattr(serve, "load_model", load_model)
-    args = build_parser().parse_args(["serve", *(["--build-kernel"] if flag else [])])
+    build = ["--build-kernel"] if flag else []
+    args = build_parser().parse_args(["serve", "--port", "0", *build])
     with pytest.raises(_Loaded):
         serve.run(args)
     assert order == (["build", "load"] if flag else ["load"])
@@ -99,10 +154,10 @@ def _run_until_serving(monkeypatch, argv, *, load=None, on_engine=None, on_serve
     before = torch.get_num_threads()
     monkeypatch.setattr(serve, "load_model", load or (lambda path: tiny_llm()))
     monkeypatch.setattr(engine_module, "Engine", Recorded)
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self: on_serve and on_serve())
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: on_serve and on_serve())
     monkeypatch.setattr(serve.signal, "signal", lambda *args: None)  # keep pytest's handlers
     try:
-        assert serve.run(build_parser().parse_args(["serve", *argv])) == 0
+        assert serve.run(build_parser().parse_args(["serve", "--port", "0", *argv])) == 0
     finally:
         gc.unfreeze()
         torch.set_num_threads(before)

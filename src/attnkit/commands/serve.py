@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", type=Path, default=None, help="a .gguf file or a Llama directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
     p.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks (default 512)")
     p.add_argument("--block-size", type=int, default=16, help="positions per KV block")
@@ -96,8 +97,35 @@ def check(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"model {str(args.model)!r} does not exist")
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (not yet listening): an address that does not resolve,
+    is not this machine's or is taken fails here, in one line, before the model loads."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        message = f"--host {host!r} does not resolve to an address: {err.strerror}"
+        raise ValueError(message) from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"cannot serve at {host}:{port}: {err.strerror}") from None
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
     check(args)
+    sock = bind(args.host, args.port)
+    try:
+        return _serve(args, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     import torch
     import uvicorn
 
@@ -145,5 +173,9 @@ def run(args: argparse.Namespace) -> int:
     # objects) lives as long as the server: the cyclic garbage collector leaves it alone from
     # now on, so its collections during serving walk the requests' objects only.
     gc.freeze()
-    uvicorn.Server(config).run()
+    host, port = sock.getsockname()[:2]
+    where = f"[{host}]" if ":" in host else host
+    print(f"attnkit serve: {name} at http://{where}:{port}/v1 (Ctrl-C or SIGTERM stops it)",
+          file=sys.stderr)  # fmt: skip
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
