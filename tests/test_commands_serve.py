@@ -50,7 +50,7 @@ def test_bad_arguments_are_one_line_before_the_model_loads(capsys, monkeypatch, 
 
 def test_an_address_it_cannot_serve_at_is_one_line_before_the_model_loads(capsys, monkeypatch):
     """A port another server holds, and an address that is not this machine's: exit 2 with one
-    line, before a minute of loading (uvicorn found out after the model loaded, and exited 1
+    line, before the model loads (uvicorn found out only after it loaded, and exited 1
     or 3 under a page of its log)."""
     import socket
 
