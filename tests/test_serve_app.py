@@ -221,6 +221,157 @@ def test_the_openai_client_sees_a_missing_endpoint_as_not_found(server) -> None:
         wrong.models.list()
 
 
+def _reference_logprobs(llm, prompt: list[int], generated: list[int]):
+    """log_softmax of the model's own logits (a full forward, float64) before each generated
+    token: the oracle of the server's log-probabilities."""
+    import torch
+
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        logits = llm.model(ids).logits[0, len(prompt) - 1 : -1]  # (n, V): each token's step
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def test_chat_logprobs_are_the_models_own_and_the_top_ones_in_order(server, client, llm):
+    messages = [{"role": "user", "content": "Count to five."}]
+    answer = client.chat.completions.create(
+        model=NAME,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens == 6
+    prompt = llm.encode(llm.chat_prompt(messages))  # as the server makes the prompt
+    # the generated ids, from the bytes the server gave for each token
+    from attnkit.serve.text import token_bytes
+
+    vocab = llm.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+    of_bytes = {token_bytes(llm.tokenizer, i): i for i in vocab.values()}
+    generated = [of_bytes[bytes(entry.bytes)] for entry in content]
+    assert llm.decode(generated) == answer.choices[0].message.content
+    want = _reference_logprobs(llm, prompt, generated)
+    for k, entry in enumerate(content):
+        assert entry.logprob == pytest.approx(want[k, generated[k]].item(), abs=1e-4)
+        top = [t.logprob for t in entry.top_logprobs]
+        assert len(top) == 3 and top == sorted(top, reverse=True)
+        assert top == pytest.approx(want[k].topk(3).values.tolist(), abs=1e-4)
+        # greedy: the token taken is the most likely one
+        assert entry.top_logprobs[0].bytes == entry.bytes and top[0] == entry.logprob
+
+
+def test_completion_logprobs_streamed_equal_whole_and_spell_the_text(server):
+    body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
+            "logprobs": 2, "ignore_eos": True}  # fmt: skip
+    whole = requests.post(server[0] + "/v1/completions", json=body, timeout=30).json()
+    choice = whole["choices"][0]
+    scores = choice["logprobs"]
+    assert len(scores["tokens"]) == len(scores["token_logprobs"]) == 8
+    assert all(len(top) == 2 for top in scores["top_logprobs"])
+    offsets = scores["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(choice["text"])
+    if not any(t.startswith("bytes:") for t in scores["tokens"]):  # whole characters each
+        assert "".join(scores["tokens"]) == choice["text"]
+    stream = requests.post(
+        server[0] + "/v1/completions", json={**body, "stream": True}, stream=True, timeout=30
+    )
+    tokens, values, text = [], [], ""
+    for line in stream.iter_lines():
+        if line.startswith(b"data: {"):
+            part = json.loads(line[6:])["choices"][0]
+            text += part["text"]
+            if part["logprobs"] is not None:
+                tokens += part["logprobs"]["tokens"]
+                values += part["logprobs"]["token_logprobs"]
+    assert text == choice["text"] and tokens == scores["tokens"]
+    assert values == pytest.approx(scores["token_logprobs"], abs=1e-9)
+
+
+def test_logit_bias_steers_and_bans_tokens(server, llm):
+    url = server[0] + "/v1/completions"
+    body = {"model": NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0}  # fmt: skip
+    plain = requests.post(url, json=body, timeout=30).json()["choices"][0]
+    first = plain["logprobs"]["tokens"][0]
+    vocab = llm.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+    from attnkit.serve.text import token_bytes, token_label
+
+    of_label = {token_label(token_bytes(llm.tokenizer, i)): i for i in vocab.values()}
+    banned = of_label[first]
+    steered = requests.post(url, json={**body, "logit_bias": {str(banned): -100}}, timeout=30)
+    assert steered.status_code == 200, steered.text
+    assert first not in steered.json()["choices"][0]["logprobs"]["tokens"]
+    forced = requests.post(url, json={**body, "logit_bias": {"42": 100}}, timeout=30).json()
+    label = token_label(token_bytes(llm.tokenizer, 42))
+    assert forced["choices"][0]["logprobs"]["tokens"] == [label] * 4
+
+
+def test_penalties_take_off_what_openai_defines():
+    """c * frequency_penalty + (c > 0) * presence_penalty off each generated token's logit."""
+    import torch
+
+    from attnkit.models.llama_generate import Sampling
+    from attnkit.serve.engine import Generation, Scoring
+
+    scoring = Scoring(((3, 2.5),), presence_penalty=0.5, frequency_penalty=-1.25)
+    gen = Generation(prompt_len=1, max_tokens=4, sampling=Sampling(), tokens=[0],
+                     on_event=lambda t, r: None, scoring=scoring)  # fmt: skip
+    logits = torch.randn(1, 10, dtype=torch.float64)
+    for token in (5, 5, 7):
+        gen.record(logits, token)
+    want = logits.clone()
+    want[0, 3] += 2.5
+    want[0, 5] -= 2 * -1.25 + 0.5
+    want[0, 7] -= 1 * -1.25 + 0.5
+    assert torch.equal(gen.scores(logits), want)
+    assert torch.equal(Generation(1, 4, Sampling(), [0], lambda t, r: None).scores(logits), logits)
+
+
+BAD_SCORING = [
+    ("/v1/completions", {"logit_bias": [1, 2]}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"10000000": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": "a"}, "frequency_penalty"),
+    ("/v1/completions", {"logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+]
+
+
+@pytest.mark.parametrize(("path", "change", "param"), BAD_SCORING, ids=[p for *_, p in BAD_SCORING])
+def test_scoring_parameters_out_of_range_or_unsupported_are_400(server, path, change, param):
+    body = {"model": NAME, "max_tokens": 2}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    else:
+        body["prompt"] = "Hi"
+    response = requests.post(server[0] + path, json={**body, **change}, timeout=10)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_harmless_values_of_unsupported_parameters_are_accepted(server):
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "tool_choice": "none", "response_format": {"type": "text"}, "best_of": 1,
+            "logprobs": False}  # fmt: skip
+    response = requests.post(server[0] + "/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"] is None
+
+
 def test_a_client_that_disconnects_mid_stream_gets_its_blocks_returned(llm, monkeypatch) -> None:
     import attnkit.serve.engine as engine_module
 

@@ -26,37 +26,26 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from attnkit.models.llama_generate import Sampling
 from attnkit.serve.engine import Engine, EngineStopped, Generation, QueueFull
 from attnkit.serve.forward import use_fused_kernel
-from attnkit.serve.text import TextStream
+from attnkit.serve.params import (
+    ApiError,
+    is_int,
+    logprobs_json,
+    sampling_of,
+    scoring_of,
+    stops_of,
+)
+from attnkit.serve.text import TextStream, token_bytes, token_label
 
 __all__ = ["ApiError", "create_app", "metrics_text"]
 
 _log = logging.getLogger("attnkit")
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI's JSON with ``status``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str = ""):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.code = code or {400: "invalid_request_error", 429: "rate_limit_exceeded"}.get(
-            status, "server_error"
-        )
-
-    def body(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 and self.status != 429 else self.code
-        return {
-            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        }
 
 
 def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: float = 30.0) -> Any:
@@ -87,6 +76,14 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
     app = FastAPI(title="attnkit serve", lifespan=lifespan)
     created = int(time.time())
     rejected = {"queue_full": 0, "shutting_down": 0, "bad_request": 0}
+    spelled: dict[int, tuple[str, list[int]]] = {}
+
+    def token_of(token_id: int) -> tuple[str, list[int]]:
+        """A token's label and its bytes (for log-probabilities), looked up once."""
+        if token_id not in spelled:
+            raw = token_bytes(llm.tokenizer, token_id)
+            spelled[token_id] = (token_label(raw), list(raw))
+        return spelled[token_id]
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Any:
@@ -163,16 +160,17 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
             )
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         max_tokens = min(default_max or room, room) if max_tokens is None else max_tokens
-        if not _is_int(max_tokens) or not 1 <= max_tokens <= room:
+        if not is_int(max_tokens) or not 1 <= max_tokens <= room:
             raise ApiError(
                 400,
                 f"max_tokens must be an int in 1..{room} (the context of {engine.max_len} less "
                 f"the prompt's {len(prompt)} tokens), got {max_tokens!r}",
                 "max_tokens",
             )
-        sampling = _sampling(body)
+        sampling = sampling_of(body)
+        scoring = scoring_of(body, engine.model.config.vocab_size, chat="messages" in body)
         seed = body.get("seed")
-        if seed is not None and not _is_int(seed):
+        if seed is not None and not is_int(seed):
             raise ApiError(400, f"seed must be an integer, got {seed!r}", "seed")
         ignore_eos = body.get("ignore_eos", False)  # vLLM's extension, for benchmarks
         if not isinstance(ignore_eos, bool):
@@ -187,7 +185,13 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
 
         try:
             gen = engine.submit(
-                prompt, max_tokens, sampling, seed=seed, ignore_eos=ignore_eos, on_event=on_event
+                prompt,
+                max_tokens,
+                sampling,
+                seed=seed,
+                ignore_eos=ignore_eos,
+                on_event=on_event,
+                scoring=scoring,
             )
         except QueueFull as err:
             rejected["queue_full"] += 1
@@ -201,10 +205,14 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
 
     async def pieces(
         gen: Generation, events: asyncio.Queue, stops: list[str], request: Request | None
-    ) -> AsyncIterator[tuple[str, str | None]]:
-        """``(text, None)`` as it comes, then ``("", finish_reason)``; cancels ``gen`` if the
-        consumer stops early (a client gone) or a stop string ends it."""
-        text = TextStream(llm.tokenizer, stops, None if gen.ignore_eos else llm.eos_id)
+    ) -> AsyncIterator[tuple[str, str | None, int]]:
+        """``(text, None, n)`` as it comes, then ``("", finish_reason, n)``; ``n``: how many of
+        the generated tokens the text so far covers (every one but an end-of-sequence token:
+        the tokens whose log-probabilities go with it). Cancels ``gen`` if the consumer stops
+        early (a client gone) or a stop string ends it."""
+        eos = None if gen.ignore_eos else llm.eos_id
+        text = TextStream(llm.tokenizer, stops, eos)
+        covered = 0
         done, loop = False, asyncio.get_running_loop()
         checked = loop.time()
         try:
@@ -225,12 +233,13 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
                 if token is None and reason is None:
                     continue
                 if token is not None:
+                    covered += token != eos
                     piece, stopped = text.push(token)
                     if piece:
-                        yield piece, None
+                        yield piece, None, covered
                     if stopped:
                         done = True
-                        yield "", "stop"
+                        yield "", "stop", covered
                         return
                     continue
                 done = True
@@ -238,8 +247,8 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
                     raise ApiError(500, "the generation failed on the server")
                 tail = text.flush()
                 if tail:
-                    yield tail, None
-                yield "", reason
+                    yield tail, None, covered
+                yield "", reason, covered
                 return
         finally:
             if not done or not gen.finish_reason:
@@ -260,7 +269,7 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
         chat: bool,
         default_max: int | None,
     ) -> Any:
-        stops = _stops(body)
+        stops = stops_of(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
@@ -269,44 +278,63 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
         gen, events = start(prompt, body, default_max)
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": ident, "created": int(time.time()), "model": model_name}
+        # Log-probabilities, when asked for: of the tokens [start, end) of the generation.
+        offsets: list[int] = []  # each covered token's place in the text (legacy completions)
+        sent = [0, 0]  # tokens given out, characters given out
+
+        def logprobs(end: int, text_before: int) -> dict[str, Any] | None:
+            if gen.scoring.logprobs is None:
+                return None
+            start = sent[0]
+            while len(offsets) < end:  # the tokens of this piece begin where the text was
+                offsets.append(text_before)
+            sent[0] = end
+            return logprobs_json(gen, start, end, chat, offsets, token_of)
+
         if not stream:
-            parts, reason = [], None
-            async for piece, finish in pieces(gen, events, stops, request):
+            parts, reason, covered = [], None, 0
+            async for piece, finish, covered in pieces(gen, events, stops, request):
+                while len(offsets) < covered:
+                    offsets.append(sum(map(len, parts)))
                 parts.append(piece)
                 reason = finish or reason
             text = "".join(parts)
+            scores = logprobs(covered, len(text))
             if chat:
                 choice = {
                     "index": 0,
                     "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
+                    "logprobs": scores,
                     "finish_reason": reason,
                 }
             else:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+                choice = {"index": 0, "text": text, "logprobs": scores, "finish_reason": reason}
             kind = "chat.completion" if chat else "text_completion"
             return {**head, "object": kind, "choices": [choice], "usage": usage(gen)}
 
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(piece: str, reason: str | None, first: bool = False) -> str:
+        def chunk(piece: str, reason: str | None, covered: int = 0, first: bool = False) -> str:
+            # a chunk without tokens of its own (the first, the last) carries none
+            scores = None if first or covered == sent[0] else logprobs(covered, sent[1])
+            sent[1] += len(piece)
             if chat:
                 delta = (
                     {"role": "assistant", "content": piece}
                     if first
                     else ({"content": piece} if piece or reason is None else {})
                 )
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                choice = {"index": 0, "delta": delta, "logprobs": scores, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+                choice = {"index": 0, "text": piece, "logprobs": scores, "finish_reason": reason}
             return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice]})}\n\n"
 
         async def events_out() -> AsyncIterator[str]:
             if chat:
                 yield chunk("", None, first=True)
             try:
-                async for piece, reason in pieces(gen, events, stops, None):
-                    yield chunk(piece, reason)
+                async for piece, reason, covered in pieces(gen, events, stops, None):
+                    yield chunk(piece, reason, covered)
             except ApiError as err:
                 yield f"data: {json.dumps(err.body())}\n\n"
                 return
@@ -361,7 +389,7 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             ids = llm.encode(prompt)
-        elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        elif isinstance(prompt, list) and all(is_int(t) for t in prompt):
             ids = list(prompt)
         else:
             raise ApiError(
@@ -374,43 +402,6 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
         return await respond(request, body, ids, chat=False, default_max=16)  # OpenAI's default
 
     return app
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _number(
-    body: Mapping[str, Any], name: str, default: float, low: float, high: float, open_low: bool
-) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value > high or value < low or (open_low and value == low):
-        side = "(" if open_low else "["
-        raise ApiError(400, f"{name} must be a number in {side}{low}, {high}], got {value!r}", name)
-    return float(value)
-
-
-def _sampling(body: Mapping[str, Any]) -> Sampling:
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0, open_low=False)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, open_low=True)
-    return Sampling(temperature, None, top_p if top_p < 1 else None)
-
-
-def _stops(body: Mapping[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if (
-        not isinstance(stops, list)
-        or len(stops) > 4
-        or not all(isinstance(s, str) and s for s in stops)
-    ):
-        raise ApiError(
-            400, f"stop must be a non-empty string or a list of up to 4, got {stop!r}", "stop"
-        )
-    return stops
 
 
 def metrics_text(engine: Engine, rejected: Mapping[str, int]) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
 from collections import deque
@@ -35,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from attnkit.backends.fused.decode import KV_DTYPES
 from attnkit.models.llama import LlamaModel
@@ -43,7 +45,7 @@ from attnkit.serve.forward import PagedBatch, paged_forward
 from attnkit.serve.paged import BlockPool, PoolExhausted
 from attnkit.serve.prefix import PrefixCache, block_hashes
 
-__all__ = ["Engine", "EngineStopped", "Generation", "QueueFull"]
+__all__ = ["Engine", "EngineStopped", "Generation", "QueueFull", "Scoring", "TokenLogprob"]
 
 log = logging.getLogger("attnkit.serve")
 
@@ -58,6 +60,50 @@ class QueueFull(RuntimeError):
 
 class EngineStopped(RuntimeError):
     """The engine is shutting down and accepts nothing new (the server answers 503)."""
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What a request changes in the scores before sampling, and what it asks to be told.
+
+    ``logit_bias``: token id -> a number in [-100, 100] added to its logit (-100 all but bans
+    it). ``presence_penalty`` and ``frequency_penalty`` (each in [-2, 2]): every token that was
+    generated ``c`` times so far has ``c * frequency_penalty + (c > 0) * presence_penalty``
+    taken off its logit (OpenAI's definition). ``logprobs``: ``None``, or how many of the most
+    likely tokens to report with each generated token's log-probability (0..20), both from the
+    model's own distribution (before the bias, the penalties, temperature and top_p)."""
+
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _finite(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"logit_bias: token ids must be ints >= 0, got {token!r}")
+            if not _finite(bias) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias: a bias must be in [-100, 100], got {bias!r}")
+        n = self.logprobs
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 20):
+            raise ValueError(f"logprobs must be None or an int in 0..20, got {n!r}")
+
+    @property
+    def changes_scores(self) -> bool:
+        return bool(self.logit_bias) or bool(self.presence_penalty or self.frequency_penalty)
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# One generated token's log-probability and the ``logprobs`` most likely (token, log-probability)
+# pairs of its step, most likely first.
+TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass(eq=False)
@@ -77,7 +123,39 @@ class Generation:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (last admission)
     finish_reason: str | None = None
     cancelled: bool = False
+    scoring: Scoring = field(default_factory=Scoring)
+    counts: dict[int, int] = field(default_factory=dict)  # generated tokens (the penalties)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token
     _events: queue.SimpleQueue | None = None
+
+    def scores(self, logits: Tensor) -> Tensor:
+        """``logits (1, V)`` with the bias and the penalties applied (the same tensor if none)."""
+        sc = self.scoring
+        if not sc.changes_scores:
+            return logits
+        out = logits.clone()
+        if sc.logit_bias:
+            ids = torch.tensor([t for t, _ in sc.logit_bias])
+            out[0, ids] += torch.tensor([b for _, b in sc.logit_bias], dtype=out.dtype)
+        if self.counts and (sc.presence_penalty or sc.frequency_penalty):
+            ids = torch.tensor(list(self.counts))
+            c = torch.tensor(list(self.counts.values()), dtype=out.dtype)
+            out[0, ids] -= c * sc.frequency_penalty + sc.presence_penalty
+        return out
+
+    def record(self, logits: Tensor, token: int) -> None:
+        """After sampling ``token`` from ``logits (1, V)``: its log-probability and the top
+        ones (when asked for), and its count (the penalties)."""
+        n = self.scoring.logprobs
+        if n is not None:
+            logp = torch.log_softmax(logits[0].double(), dim=-1)  # (V,)
+            pairs: list[tuple[int, float]] = []
+            if n:
+                top = logp.topk(n)
+                pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            self.logprobs.append((float(logp[token]), pairs))
+        if self.scoring.presence_penalty or self.scoring.frequency_penalty:
+            self.counts[token] = self.counts.get(token, 0) + 1
 
     @property
     def generated(self) -> list[int]:
@@ -189,12 +267,18 @@ class Engine:
         seed: int | None = None,
         ignore_eos: bool = False,
         on_event: EventFn | None = None,
+        scoring: Scoring | None = None,
     ) -> Generation:
         """Queue a request. Raises ``ValueError`` for a request that can never run (an empty
-        or too long prompt, ``max_tokens`` < 1 or past the context), ``QueueFull`` or
-        ``EngineStopped`` for one the server cannot take now."""
+        or too long prompt, ``max_tokens`` < 1 or past the context, a biased token outside
+        the vocabulary), ``QueueFull`` or ``EngineStopped`` for one the server cannot take
+        now."""
         prompt = list(prompt)
         vocab = self.model.config.vocab_size
+        scoring = scoring or Scoring()
+        outside = [t for t, _ in scoring.logit_bias if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias names token {outside[0]}, outside 0..{vocab - 1}")
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
@@ -227,6 +311,7 @@ class Engine:
             on_event=on_event,
             generator=generator,
             ignore_eos=ignore_eos,
+            scoring=scoring,
             _events=events,
         )
         with self._cond:
@@ -358,7 +443,9 @@ class Engine:
             gen.computed += n
             self._publish(gen)
             if gen.computed == len(gen.tokens):
-                token = int(gen.sampling.next_token(logits[row : row + 1], gen.generator)[0])
+                scores = logits[row : row + 1]  # (1, V)
+                token = int(gen.sampling.next_token(gen.scores(scores), gen.generator)[0])
+                gen.record(scores, token)
                 gen.tokens.append(token)
                 self.counters["generated_tokens"] += 1
                 gen.on_event(token, None)
