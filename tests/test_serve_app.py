@@ -372,6 +372,27 @@ def test_harmless_values_of_unsupported_parameters_are_accepted(server):
     assert response.json()["choices"][0]["logprobs"] is None
 
 
+def test_a_developer_message_is_a_system_message(server) -> None:
+    def answer(role: str) -> str:
+        body = {"model": NAME, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": role, "content": "Answer in French."},
+                             {"role": "user", "content": "Hello"}]}  # fmt: skip
+        response = requests.post(server[0] + "/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"]
+
+    assert answer("developer") == answer("system")
+
+
+@pytest.mark.parametrize("role", ["tool", "function", "narrator", ""])
+def test_roles_it_cannot_render_are_400(server, role) -> None:
+    body = {"model": NAME, "max_tokens": 2, "messages": [{"role": role, "content": "x"}]}
+    response = requests.post(server[0] + "/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and repr(role) in error["message"]
+
+
 def test_a_client_that_disconnects_mid_stream_gets_its_blocks_returned(llm, monkeypatch) -> None:
     import attnkit.serve.engine as engine_module
 

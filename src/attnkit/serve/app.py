@@ -48,6 +48,12 @@ __all__ = ["ApiError", "create_app", "metrics_text"]
 _log = logging.getLogger("attnkit")
 
 
+# The chat roles, as the chat template spells them: OpenAI's "developer" messages are what its
+# older API called "system" (the instructions), and templates know only the older name.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+TOOLS = ("tool", "function")
+
+
 def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: float = 30.0) -> Any:
     """The FastAPI application. ``llm`` gives ``encode``, ``decode``, ``chat_prompt``,
     ``tokenizer`` and ``eos_id`` (a ``PretrainedLlama``); ``engine`` runs its model. The
@@ -377,7 +383,15 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
                     f"messages[{k}] must be an object with a string role and content",
                     "messages",
                 )
-            clean.append({"role": m["role"], "content": content})
+            role = ROLES.get(m["role"])
+            if role is None:
+                raise ApiError(
+                    400,
+                    f"messages[{k}].role must be system, developer, user or assistant, got "
+                    f"{m['role']!r}" + (" (tools are not supported)" if m["role"] in TOOLS else ""),
+                    "messages",
+                )
+            clean.append({"role": role, "content": content})
         prompt = llm.encode(llm.chat_prompt(clean))
         return await respond(request, body, prompt, chat=True, default_max=None)
 
