@@ -162,7 +162,8 @@ BAD = [
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"stop": [""]}, "stop"),
-    ({"n": 3}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
     ({"messages": [{"role": "user", "content": "long " * 300}]}, "messages"),
 ]
 
@@ -372,6 +373,46 @@ def test_harmless_values_of_unsupported_parameters_are_accepted(server):
     assert response.json()["choices"][0]["logprobs"] is None
 
 
+def test_n_choices_greedy_are_each_the_single_answer(server, client) -> None:
+    body = {"model": NAME, "prompt": "One, two,", "max_tokens": 8, "temperature": 0,
+            "logprobs": 1, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    one = client.completions.create(**body)
+    three = client.completions.create(**body, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    for choice in three.choices:
+        assert choice.text == one.choices[0].text
+        # the same tokens; the scores to float32's rounding (three sequences in a batch)
+        assert choice.logprobs.token_logprobs == pytest.approx(
+            one.choices[0].logprobs.token_logprobs, abs=1e-5
+        )
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt once
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+
+
+def test_n_choices_sampled_are_reproducible_and_streamed_alike(server, client) -> None:
+    messages = [{"role": "user", "content": "Tell me a word."}]
+    body = {"model": NAME, "messages": messages, "max_tokens": 12, "temperature": 1.0,
+            "seed": 11, "n": 4, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    first = [c.message.content for c in client.chat.completions.create(**body).choices]
+    again = [c.message.content for c in client.chat.completions.create(**body).choices]
+    assert first == again and len(set(first)) > 1  # each choice its own draws, the same ones
+    texts = ["", "", "", ""]
+    roles = set()
+    stream = client.chat.completions.create(
+        **body, stream=True, stream_options={"include_usage": True}
+    )
+    usage = None
+    for part in stream:
+        if part.usage is not None:
+            usage = part.usage
+        for choice in part.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.delta.role:
+                roles.add(choice.index)
+    assert texts == first and roles == {0, 1, 2, 3}
+    assert usage.completion_tokens == 4 * 12
+
+
 def test_a_developer_message_is_a_system_message(server) -> None:
     def answer(role: str) -> str:
         body = {"model": NAME, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
@@ -393,7 +434,8 @@ def test_roles_it_cannot_render_are_400(server, role) -> None:
     assert error["param"] == "messages" and repr(role) in error["message"]
 
 
-def test_a_client_that_disconnects_mid_stream_gets_its_blocks_returned(llm, monkeypatch) -> None:
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_client_that_disconnects_mid_stream_gets_its_blocks_returned(llm, monkeypatch, n):
     import attnkit.serve.engine as engine_module
 
     forward = engine_module.paged_forward
@@ -405,7 +447,7 @@ def test_a_client_that_disconnects_mid_stream_gets_its_blocks_returned(llm, monk
     monkeypatch.setattr(engine_module, "paged_forward", slow)
     engine = Engine(llm.model, num_blocks=32, block_size=8, eos_id=llm.eos_id)
     body = {"model": NAME, "prompt": "Tell me a long story.", "max_tokens": 200, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+            "ignore_eos": True, "n": n}  # fmt: skip
     with LiveServer(create_app(llm, engine, model_name=NAME)) as url:
         with requests.post(url + "/v1/completions", json=body, stream=True, timeout=10) as r:
             lines = r.iter_lines()
@@ -413,12 +455,13 @@ def test_a_client_that_disconnects_mid_stream_gets_its_blocks_returned(llm, monk
             assert first.startswith(b"data: ")
             assert metrics(url)["attnkit_kv_blocks_used"] > 0
         after = settle(url)
-        assert after["attnkit_cancelled_total"] == 1
+        assert after["attnkit_cancelled_total"] == n  # every choice
         assert after["attnkit_kv_blocks_used"] == 0
-        assert after["attnkit_generation_tokens_total"] < 200
+        assert after["attnkit_generation_tokens_total"] < 200 * n
 
 
-def test_a_client_that_gives_up_on_a_whole_answer_gets_it_cancelled(llm, monkeypatch) -> None:
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_client_that_gives_up_on_a_whole_answer_gets_it_cancelled(llm, monkeypatch, n):
     import attnkit.serve.engine as engine_module
 
     forward = engine_module.paged_forward
@@ -429,13 +472,13 @@ def test_a_client_that_gives_up_on_a_whole_answer_gets_it_cancelled(llm, monkeyp
 
     monkeypatch.setattr(engine_module, "paged_forward", slow)
     engine = Engine(llm.model, num_blocks=32, block_size=8, eos_id=llm.eos_id)
-    body = {"model": NAME, "prompt": "Hi", "max_tokens": 200, "ignore_eos": True}
+    body = {"model": NAME, "prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "n": n}
     with LiveServer(create_app(llm, engine, model_name=NAME)) as url:
         with pytest.raises(requests.ReadTimeout):
             requests.post(url + "/v1/completions", json=body, timeout=0.5)
         m = settle(url)
-        assert m["attnkit_cancelled_total"] == 1 and m["attnkit_kv_blocks_used"] == 0
-        assert m["attnkit_generation_tokens_total"] < 200
+        assert m["attnkit_cancelled_total"] == n and m["attnkit_kv_blocks_used"] == 0
+        assert m["attnkit_generation_tokens_total"] < 200 * n
 
 
 def test_a_full_queue_is_429_and_shutting_down_is_503(llm) -> None:
@@ -454,6 +497,20 @@ def test_a_full_queue_is_429_and_shutting_down_is_503(llm) -> None:
         rejected = metrics(url)
         assert rejected['attnkit_requests_rejected_total{reason="queue_full"}'] == 1
         assert rejected['attnkit_requests_rejected_total{reason="shutting_down"}'] == 1
+
+
+def test_choices_that_do_not_all_fit_the_queue_are_429_and_none_runs(llm) -> None:
+    engine = Engine(llm.model, num_blocks=16, block_size=8, max_waiting=2, eos_id=llm.eos_id)
+    body = {"model": NAME, "prompt": "Hi", "max_tokens": 2, "n": 3}
+    app = create_app(llm, engine, model_name=NAME)
+    engine.start = lambda: engine  # the engine does not run: requests wait in its queue
+    with LiveServer(app) as url:
+        response = requests.post(url + "/v1/completions", json=body, timeout=10)
+        assert response.status_code == 429, response.text
+        # the two choices that got in were cancelled: nothing of the request is left to run
+        assert len(engine.waiting) == 2 and all(gen.cancelled for gen in engine.waiting)
+        engine.step()
+        assert not engine.waiting and not engine.running
 
 
 def test_the_pool_is_whole_after_the_run(server) -> None:

@@ -48,6 +48,38 @@ __all__ = ["ApiError", "create_app", "metrics_text"]
 _log = logging.getLogger("attnkit")
 
 
+MAX_CHOICES = 16  # n: choices per request, at most
+
+
+class Scores:
+    """One choice's log-probabilities as its text goes out: the tokens given out so far and
+    where each one's text begins (legacy completions' ``text_offset``)."""
+
+    def __init__(self, gen: Generation, chat: bool, token_of: Any) -> None:
+        self.gen, self.chat, self.token_of = gen, chat, token_of
+        self.offsets: list[int] = []
+        self.tokens = self.chars = 0  # tokens and characters given out
+
+    def reach(self, covered: int, text_before: int) -> None:
+        """The tokens up to ``covered`` begin where the text was ``text_before`` long."""
+        while len(self.offsets) < covered:
+            self.offsets.append(text_before)
+
+    def take(self, covered: int, text_before: int) -> dict[str, Any] | None:
+        """The log-probabilities of the tokens not given out yet, up to ``covered``."""
+        if self.gen.scoring.logprobs is None:
+            return None
+        self.reach(covered, text_before)
+        start, self.tokens = self.tokens, covered
+        return logprobs_json(self.gen, start, covered, self.chat, self.offsets, self.token_of)
+
+    def streamed(self, covered: int, piece_chars: int) -> dict[str, Any] | None:
+        """``take`` for a streamed piece of ``piece_chars`` characters (None: no new token)."""
+        before = self.chars
+        self.chars += piece_chars
+        return None if covered == self.tokens else self.take(covered, before)
+
+
 # The chat roles, as the chat template spells them: OpenAI's "developer" messages are what its
 # older API called "system" (the instructions), and templates know only the older name.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -149,13 +181,16 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
                 "model",
                 "model_not_found",
             )
-        if body.get("n", 1) != 1:
-            raise ApiError(400, "n must be 1: one choice per request", "n")
+        n = body.get("n", 1)
+        if n is not None and (not is_int(n) or not 1 <= n <= MAX_CHOICES):
+            raise ApiError(400, f"n must be an int in 1..{MAX_CHOICES}, got {n!r}", "n")
         return body
 
     def start(
         prompt: list[int], body: Mapping[str, Any], default_max: int | None
-    ) -> tuple[Generation, asyncio.Queue]:
+    ) -> list[tuple[Generation, asyncio.Queue]]:
+        """The request's ``n`` choices submitted, each with the queue its events come to (all
+        or none: a choice the engine refuses cancels the ones before it)."""
         room = engine.max_len - len(prompt)
         if room < 1:
             raise ApiError(
@@ -183,31 +218,40 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
             raise ApiError(
                 400, f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos"
             )
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        choices: list[tuple[Generation, asyncio.Queue]] = []
 
-        def on_event(token: int | None, reason: str | None) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens
-                loop.call_soon_threadsafe(events.put_nowait, (token, reason))
+        def listener(events: asyncio.Queue) -> Any:
+            def on_event(token: int | None, reason: str | None) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens
+                    loop.call_soon_threadsafe(events.put_nowait, (token, reason))
+
+            return on_event
 
         try:
-            gen = engine.submit(
-                prompt,
-                max_tokens,
-                sampling,
-                seed=seed,
-                ignore_eos=ignore_eos,
-                on_event=on_event,
-                scoring=scoring,
-            )
-        except QueueFull as err:
-            rejected["queue_full"] += 1
-            raise ApiError(429, f"the server is busy: {err}; retry later") from err
-        except EngineStopped as err:
-            rejected["shutting_down"] += 1
-            raise ApiError(503, str(err), code="service_unavailable") from err
-        except ValueError as err:
+            for i in range(body.get("n") or 1):
+                events: asyncio.Queue = asyncio.Queue()
+                gen = engine.submit(
+                    prompt,
+                    max_tokens,
+                    sampling,
+                    seed=None if seed is None else seed + i,  # choice i: its own draws
+                    ignore_eos=ignore_eos,
+                    on_event=listener(events),
+                    scoring=scoring,
+                )
+                choices.append((gen, events))
+        except (QueueFull, EngineStopped, ValueError) as err:
+            for gen, _ in choices:
+                engine.cancel(gen)
+            if isinstance(err, QueueFull):
+                rejected["queue_full"] += 1
+                raise ApiError(429, f"the server is busy: {err}; retry later") from err
+            if isinstance(err, EngineStopped):
+                rejected["shutting_down"] += 1
+                raise ApiError(503, str(err), code="service_unavailable") from err
             raise ApiError(400, str(err)) from err
-        return gen, events
+        return choices
 
     async def pieces(
         gen: Generation, events: asyncio.Queue, stops: list[str], request: Request | None
@@ -260,13 +304,11 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
             if not done or not gen.finish_reason:
                 engine.cancel(gen)
 
-    def usage(gen: Generation) -> dict[str, int]:
-        n = len(gen.generated)
-        return {
-            "prompt_tokens": gen.prompt_len,
-            "completion_tokens": n,
-            "total_tokens": gen.prompt_len + n,
-        }
+    def usage(gens: list[Generation]) -> dict[str, int]:
+        """The prompt once, the tokens of every choice."""
+        n = sum(len(gen.generated) for gen in gens)
+        prompt = gens[0].prompt_len
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
 
     async def respond(
         request: Request,
@@ -281,73 +323,98 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
             raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
         options = body.get("stream_options") or {}
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        gen, events = start(prompt, body, default_max)
+        choices = start(prompt, body, default_max)
+        gens = [gen for gen, _ in choices]
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": ident, "created": int(time.time()), "model": model_name}
-        # Log-probabilities, when asked for: of the tokens [start, end) of the generation.
-        offsets: list[int] = []  # each covered token's place in the text (legacy completions)
-        sent = [0, 0]  # tokens given out, characters given out
-
-        def logprobs(end: int, text_before: int) -> dict[str, Any] | None:
-            if gen.scoring.logprobs is None:
-                return None
-            start = sent[0]
-            while len(offsets) < end:  # the tokens of this piece begin where the text was
-                offsets.append(text_before)
-            sent[0] = end
-            return logprobs_json(gen, start, end, chat, offsets, token_of)
+        kind = "chat.completion" if chat else "text_completion"
+        scores = [Scores(gen, chat, token_of) for gen in gens]
 
         if not stream:
-            parts, reason, covered = [], None, 0
-            async for piece, finish, covered in pieces(gen, events, stops, request):
-                while len(offsets) < covered:
-                    offsets.append(sum(map(len, parts)))
-                parts.append(piece)
-                reason = finish or reason
-            text = "".join(parts)
-            scores = logprobs(covered, len(text))
-            if chat:
-                choice = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": scores,
-                    "finish_reason": reason,
-                }
-            else:
-                choice = {"index": 0, "text": text, "logprobs": scores, "finish_reason": reason}
-            kind = "chat.completion" if chat else "text_completion"
-            return {**head, "object": kind, "choices": [choice], "usage": usage(gen)}
+
+            async def whole(index: int) -> dict[str, Any]:
+                gen, events = choices[index]
+                parts, reason, covered = [], None, 0
+                async for piece, finish, covered in pieces(gen, events, stops, request):
+                    scores[index].reach(covered, sum(map(len, parts)))
+                    parts.append(piece)
+                    reason = finish or reason
+                text = "".join(parts)
+                logprobs = scores[index].take(covered, len(text))
+                if chat:
+                    message = {"role": "assistant", "content": text}
+                    return {"index": index, "message": message, "logprobs": logprobs,
+                            "finish_reason": reason}  # fmt: skip
+                return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+            tasks = [asyncio.create_task(whole(i)) for i in range(len(choices))]
+            try:
+                answers = await asyncio.gather(*tasks)
+            finally:  # one choice failed, or the client went away: every choice ends
+                for task in tasks:
+                    task.cancel()
+                for gen in gens:
+                    if not gen.finish_reason:
+                        engine.cancel(gen)
+            return {**head, "object": kind, "choices": answers, "usage": usage(gens)}
 
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(piece: str, reason: str | None, covered: int = 0, first: bool = False) -> str:
+        def chunk(index: int, piece: str, reason: str | None, covered: int = 0,
+                  first: bool = False) -> str:  # fmt: skip
             # a chunk without tokens of its own (the first, the last) carries none
-            scores = None if first or covered == sent[0] else logprobs(covered, sent[1])
-            sent[1] += len(piece)
+            logprobs = None if first else scores[index].streamed(covered, len(piece))
             if chat:
                 delta = (
                     {"role": "assistant", "content": piece}
                     if first
                     else ({"content": piece} if piece or reason is None else {})
                 )
-                choice = {"index": 0, "delta": delta, "logprobs": scores, "finish_reason": reason}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": reason}  # fmt: skip
             else:
-                choice = {"index": 0, "text": piece, "logprobs": scores, "finish_reason": reason}
+                choice = {"index": index, "text": piece, "logprobs": logprobs,
+                          "finish_reason": reason}  # fmt: skip
             return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice]})}\n\n"
 
         async def events_out() -> AsyncIterator[str]:
+            # Each choice's events become chunks on one queue, in the order they come.
+            out: asyncio.Queue = asyncio.Queue()
+
+            async def feed(index: int) -> None:
+                gen, events = choices[index]
+                try:
+                    async for piece, reason, covered in pieces(gen, events, stops, None):
+                        out.put_nowait(chunk(index, piece, reason, covered))
+                except ApiError as err:
+                    out.put_nowait(err)
+                out.put_nowait(None)
+
             if chat:
-                yield chunk("", None, first=True)
+                for index in range(len(choices)):
+                    yield chunk(index, "", None, first=True)
+            feeders = [asyncio.create_task(feed(i)) for i in range(len(choices))]
             try:
-                async for piece, reason, covered in pieces(gen, events, stops, None):
-                    yield chunk(piece, reason, covered)
-            except ApiError as err:
-                yield f"data: {json.dumps(err.body())}\n\n"
-                return
-            if include_usage:
-                last = {**head, "object": kind, "choices": [], "usage": usage(gen)}
-                yield f"data: {json.dumps(last)}\n\n"
-            yield "data: [DONE]\n\n"
+                running = len(feeders)
+                while running:
+                    item = await out.get()
+                    if item is None:
+                        running -= 1
+                    elif isinstance(item, ApiError):
+                        yield f"data: {json.dumps(item.body())}\n\n"
+                        return
+                    else:
+                        yield item
+                if include_usage:
+                    last = {**head, "object": kind, "choices": [], "usage": usage(gens)}
+                    yield f"data: {json.dumps(last)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:  # the client gone (or an error): every choice stops
+                for task in feeders:
+                    task.cancel()
+                for gen in gens:
+                    if not gen.finish_reason:
+                        engine.cancel(gen)
 
         return StreamingResponse(events_out(), media_type="text/event-stream")
 
