@@ -377,8 +377,14 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
                           "finish_reason": reason}  # fmt: skip
             return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice]})}\n\n"
 
-        async def events_out() -> AsyncIterator[str]:
-            # Each choice's events become chunks on one queue, in the order they come.
+        async def one() -> AsyncIterator[str]:
+            """The single choice's chunks, straight out."""
+            gen, events = choices[0]
+            async for piece, reason, covered in pieces(gen, events, stops, None):
+                yield chunk(0, piece, reason, covered)
+
+        async def many() -> AsyncIterator[str]:
+            """Every choice's chunks through one queue, in the order their events come."""
             out: asyncio.Queue = asyncio.Queue()
 
             async def feed(index: int) -> None:
@@ -390,28 +396,35 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
                     out.put_nowait(err)
                 out.put_nowait(None)
 
-            if chat:
-                for index in range(len(choices)):
-                    yield chunk(index, "", None, first=True)
             feeders = [asyncio.create_task(feed(i)) for i in range(len(choices))]
             try:
                 running = len(feeders)
                 while running:
                     item = await out.get()
+                    if isinstance(item, ApiError):
+                        raise item
                     if item is None:
                         running -= 1
-                    elif isinstance(item, ApiError):
-                        yield f"data: {json.dumps(item.body())}\n\n"
-                        return
                     else:
                         yield item
+            finally:
+                for task in feeders:
+                    task.cancel()
+
+        async def events_out() -> AsyncIterator[str]:
+            if chat:
+                for index in range(len(choices)):
+                    yield chunk(index, "", None, first=True)
+            try:
+                async for line in one() if len(choices) == 1 else many():
+                    yield line
                 if include_usage:
                     last = {**head, "object": kind, "choices": [], "usage": usage(gens)}
                     yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
+            except ApiError as err:
+                yield f"data: {json.dumps(err.body())}\n\n"
             finally:  # the client gone (or an error): every choice stops
-                for task in feeders:
-                    task.cancel()
                 for gen in gens:
                     if not gen.finish_reason:
                         engine.cancel(gen)
