@@ -445,7 +445,8 @@ def test_a_client_that_disconnects_mid_stream_gets_its_blocks_returned(llm, monk
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(engine_module, "paged_forward", slow)
-    engine = Engine(llm.model, num_blocks=32, block_size=8, eos_id=llm.eos_id)
+    # room for every choice's 200 tokens at once: no preemption empties the batch for a step
+    engine = Engine(llm.model, num_blocks=32 * n, block_size=8, eos_id=llm.eos_id)
     body = {"model": NAME, "prompt": "Tell me a long story.", "max_tokens": 200, "stream": True,
             "ignore_eos": True, "n": n}  # fmt: skip
     with LiveServer(create_app(llm, engine, model_name=NAME)) as url:
@@ -453,6 +454,10 @@ def test_a_client_that_disconnects_mid_stream_gets_its_blocks_returned(llm, monk
             lines = r.iter_lines()
             first = next(line for line in lines if line)
             assert first.startswith(b"data: ")
+            # the gauges are replaced after each step, and a token may reach the client first
+            deadline = time.monotonic() + 10
+            while metrics(url)["attnkit_kv_blocks_used"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert metrics(url)["attnkit_kv_blocks_used"] > 0
         after = settle(url)
         assert after["attnkit_cancelled_total"] == n  # every choice
@@ -471,7 +476,8 @@ def test_a_client_that_gives_up_on_a_whole_answer_gets_it_cancelled(llm, monkeyp
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(engine_module, "paged_forward", slow)
-    engine = Engine(llm.model, num_blocks=32, block_size=8, eos_id=llm.eos_id)
+    # room for every choice's 200 tokens at once: no preemption empties the batch for a step
+    engine = Engine(llm.model, num_blocks=32 * n, block_size=8, eos_id=llm.eos_id)
     body = {"model": NAME, "prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "n": n}
     with LiveServer(create_app(llm, engine, model_name=NAME)) as url:
         with pytest.raises(requests.ReadTimeout):
