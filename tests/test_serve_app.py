@@ -340,7 +340,8 @@ BAD_SCORING = [
     ("/v1/completions", {"frequency_penalty": "a"}, "frequency_penalty"),
     ("/v1/completions", {"logprobs": 6}, "logprobs"),
     ("/v1/completions", {"logprobs": True}, "logprobs"),
-    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"echo": "yes"}, "echo"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
@@ -411,6 +412,22 @@ def test_n_choices_sampled_are_reproducible_and_streamed_alike(server, client) -
                 roles.add(choice.index)
     assert texts == first and roles == {0, 1, 2, 3}
     assert usage.completion_tokens == 4 * 12
+
+
+def test_echo_puts_the_prompt_before_each_answer(server, client, llm) -> None:
+    body = {"model": NAME, "prompt": "Once upon", "max_tokens": 6, "temperature": 0,
+            "extra_body": {"ignore_eos": True}}  # fmt: skip
+    plain = client.completions.create(**body).choices[0].text
+    echoed = client.completions.create(**body, echo=True, n=2)
+    assert [c.text for c in echoed.choices] == ["Once upon" + plain] * 2
+    streamed = ["", ""]
+    for part in client.completions.create(**body, echo=True, n=2, stream=True):
+        for choice in part.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == ["Once upon" + plain] * 2
+    ids = llm.encode("Once upon")  # a prompt of token ids echoes as their text
+    by_ids = client.completions.create(**{**body, "prompt": ids}, echo=True)
+    assert by_ids.choices[0].text == llm.decode(ids) + plain
 
 
 def test_a_developer_message_is_a_system_message(server) -> None:

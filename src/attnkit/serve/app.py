@@ -316,7 +316,9 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
         prompt: list[int],
         chat: bool,
         default_max: int | None,
+        echo: str = "",
     ) -> Any:
+        """``echo``: text each choice's answer begins with (text completions' ``echo``)."""
         stops = stops_of(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -341,6 +343,7 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
                     reason = finish or reason
                 text = "".join(parts)
                 logprobs = scores[index].take(covered, len(text))
+                text = echo + text
                 if chat:
                     message = {"role": "assistant", "content": text}
                     return {"index": index, "message": message, "logprobs": logprobs,
@@ -412,9 +415,9 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
                     task.cancel()
 
         async def events_out() -> AsyncIterator[str]:
-            if chat:
+            if chat or echo:  # chat: the role first; echo: the prompt's text first
                 for index in range(len(choices)):
-                    yield chunk(index, "", None, first=True)
+                    yield chunk(index, echo, None, first=True)
             try:
                 async for line in one() if len(choices) == 1 else many():
                     yield line
@@ -493,7 +496,11 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
             )
         if not ids:
             raise ApiError(400, "the prompt is empty: give at least one token of text", "prompt")
-        return await respond(request, body, ids, chat=False, default_max=16)  # OpenAI's default
+        echo = ""  # the prompt's text before the answer, if asked for
+        if body.get("echo"):
+            echo = prompt if isinstance(prompt, str) else llm.decode(ids)
+        # max_tokens: OpenAI's default of 16
+        return await respond(request, body, ids, chat=False, default_max=16, echo=echo)
 
     return app
 

@@ -107,8 +107,11 @@ def _refuse_unsupported(body: Mapping[str, Any], chat: bool) -> None:
     if body.get("best_of") not in (None, 1):
         refuse("best_of", "more than one candidate per request")
     if not chat:
-        if body.get("echo"):
-            refuse("echo", "echoing the prompt")
+        echo = body.get("echo", False)
+        if echo is not None and not isinstance(echo, bool):
+            raise ApiError(400, f"echo must be true or false, got {echo!r}", "echo")
+        if echo and body.get("logprobs") is not None:
+            refuse("echo", "echo with logprobs (the prompt's own log-probabilities)")
         if body.get("suffix"):
             refuse("suffix", "a suffix (insertion)")
         return
