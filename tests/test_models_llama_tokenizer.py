@@ -98,3 +98,21 @@ def test_control_token_text_in_a_message_is_not_escaped() -> None:
         clean = clean.replace(t, "")
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": clean}]))
     assert ids.count(end) == 1 and ids.count(start) == 2
+
+
+def test_token_bytes_spell_the_text_even_inside_a_character() -> None:
+    """A token may hold part of a UTF-8 character (here every byte is a token): the bytes of
+    the tokens, joined, are the text's."""
+    tok = LlamaTokenizer.from_gguf_metadata(_meta())
+    text = "Grüße 😀, naïve café"
+    parts = [tok.token_bytes(i) for i in tok.encode(text)]
+    assert b"".join(parts) == text.encode("utf-8")
+    assert any(not _utf8(p) for p in parts)  # the case the bytes are for
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -248,10 +248,8 @@ def test_chat_logprobs_are_the_models_own_and_the_top_ones_in_order(server, clie
     assert len(content) == answer.usage.completion_tokens == 6
     prompt = llm.encode(llm.chat_prompt(messages))  # as the server makes the prompt
     # the generated ids, from the bytes the server gave for each token
-    from attnkit.serve.text import token_bytes
-
     vocab = llm.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
-    of_bytes = {token_bytes(llm.tokenizer, i): i for i in vocab.values()}
+    of_bytes = {llm.tokenizer.token_bytes(i): i for i in vocab.values()}
     generated = [of_bytes[bytes(entry.bytes)] for entry in content]
     assert llm.decode(generated) == answer.choices[0].message.content
     want = _reference_logprobs(llm, prompt, generated)
@@ -298,15 +296,15 @@ def test_logit_bias_steers_and_bans_tokens(server, llm):
     plain = requests.post(url, json=body, timeout=30).json()["choices"][0]
     first = plain["logprobs"]["tokens"][0]
     vocab = llm.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
-    from attnkit.serve.text import token_bytes, token_label
+    from attnkit.serve.text import token_label
 
-    of_label = {token_label(token_bytes(llm.tokenizer, i)): i for i in vocab.values()}
+    of_label = {token_label(llm.tokenizer.token_bytes(i)): i for i in vocab.values()}
     banned = of_label[first]
     steered = requests.post(url, json={**body, "logit_bias": {str(banned): -100}}, timeout=30)
     assert steered.status_code == 200, steered.text
     assert first not in steered.json()["choices"][0]["logprobs"]["tokens"]
     forced = requests.post(url, json={**body, "logit_bias": {"42": 100}}, timeout=30).json()
-    label = token_label(token_bytes(llm.tokenizer, 42))
+    label = token_label(llm.tokenizer.token_bytes(42))
     assert forced["choices"][0]["logprobs"]["tokens"] == [label] * 4
 
 

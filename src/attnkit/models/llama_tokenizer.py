@@ -55,6 +55,9 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
+_BYTE_OF_CHAR = {char: byte for byte, char in _byte_alphabet().items()}
+
+
 class LlamaTokenizer:
     """Text <-> token ids, and chat messages -> prompt text.
 
@@ -112,6 +115,15 @@ class LlamaTokenizer:
     def token(self, token_id: int) -> str | None:
         """The token's string as the vocabulary spells it (byte-level characters)."""
         return self.tokenizer.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes the token stands for: its byte-level spelling read back (a token may hold
+        part of a UTF-8 character), or the UTF-8 of its decoded text where the vocabulary is
+        not spelled in bytes."""
+        spelled = self.token(token_id)
+        if spelled and all(ch in _BYTE_OF_CHAR for ch in spelled):
+            return bytes(_BYTE_OF_CHAR[ch] for ch in spelled)
+        return self.decode([token_id], skip_special=False).encode("utf-8")
 
     @cached_property
     def _template(self) -> Any:

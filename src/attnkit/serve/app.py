@@ -41,7 +41,7 @@ from attnkit.serve.params import (
     scoring_of,
     stops_of,
 )
-from attnkit.serve.text import TextStream, token_bytes, token_label
+from attnkit.serve.text import TextStream, token_label
 
 __all__ = ["ApiError", "create_app", "metrics_text"]
 
@@ -119,7 +119,7 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
     def token_of(token_id: int) -> tuple[str, list[int]]:
         """A token's label and its bytes (for log-probabilities), looked up once."""
         if token_id not in spelled:
-            raw = token_bytes(llm.tokenizer, token_id)
+            raw = llm.tokenizer.token_bytes(token_id)
             spelled[token_id] = (token_label(raw), list(raw))
         return spelled[token_id]
 

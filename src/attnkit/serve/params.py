@@ -37,14 +37,18 @@ def is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _real(x: object) -> bool:
+    """A finite int or float (JSON's true and false are not numbers here)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _number(
     body: Mapping[str, Any], name: str, default: float, low: float, high: float, open_low: bool
 ) -> float:
     value = body.get(name)
     if value is None:
         return default
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value > high or value < low or (open_low and value == low):
+    if not _real(value) or value > high or value < low or (open_low and value == low):
         side = "(" if open_low else "["
         raise ApiError(400, f"{name} must be a number in {side}{low}, {high}], got {value!r}", name)
     return float(value)
@@ -74,8 +78,7 @@ def scoring_of(body: Mapping[str, Any], vocab: int, chat: bool) -> Scoring:
                 raise ApiError(
                     400, f"logit_bias: {key!r} is not a token id in 0..{vocab - 1}", "logit_bias"
                 )
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not ok or not math.isfinite(value) or not -100 <= value <= 100:
+            if not _real(value) or not -100 <= value <= 100:
                 raise ApiError(
                     400, f"logit_bias: the bias of {key} must be in [-100, 100], got {value!r}",
                     "logit_bias",

@@ -21,33 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["TextStream", "token_bytes", "token_label"]
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's spelling of bytes as characters (GPT-2's ``bytes_to_unicode``): the
-    printable bytes stand for themselves, the others for the characters from U+0100 on, in
-    order. Inverted: character -> byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = {b: b for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = 256 + extra
-            extra += 1
-    return {chr(c): b for b, c in chars.items()}
-
-
-_BYTE_OF = _byte_level_alphabet()
-
-
-def token_bytes(tokenizer: Any, token_id: int) -> bytes:
-    """The bytes a token stands for: from its byte-level spelling where the vocabulary has one
-    (a token may hold part of a character), else the UTF-8 of its decoded text."""
-    spelled = tokenizer.token(token_id) if hasattr(tokenizer, "token") else None
-    if spelled and all(ch in _BYTE_OF for ch in spelled):
-        return bytes(_BYTE_OF[ch] for ch in spelled)
-    return tokenizer.decode([token_id]).encode("utf-8")
+__all__ = ["TextStream", "token_label"]
 
 
 def token_label(raw: bytes) -> str:
