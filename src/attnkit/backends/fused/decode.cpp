@@ -19,8 +19,6 @@
 //
 // Shape vocabulary (fused.h): b batch, h query heads, hk key/value heads, g = h / hk, j keys,
 // d head width. The online softmax is fused.h's (``logits_row``, ``update``, ``finish``).
-#include <torch/extension.h>
-
 #include "fused.h"
 #include "kv_tiles.h"
 
@@ -239,11 +237,5 @@ void decode_into(const float* q, int64_t q_sb, int64_t q_sh, int64_t nb, int64_t
   }
 }
 
-void bind_decode(pybind11::module_& m) {
-  const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();  // as module.cpp
-  m.def("decode", &decode, no_gil, "one decoding step over a KV cache (writes out)",
-        pybind11::arg("q"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("length"),
-        pybind11::arg("scale"), pybind11::arg("key_mask"), pybind11::arg("out"));
-}
 
 }  // namespace attnkit_fused

@@ -382,4 +382,31 @@ void paged(const Tensor& q, const Tensor& key_pool, const Tensor& value_pool,
            const Tensor& block_tables, const Tensor& lengths, const Tensor& starts, double scale,
            const Tensor& out);
 
+// decode.cpp's checked step over a dense KV cache (see there).
+void decode(const Tensor& q, const Tensor& key, const Tensor& value, int64_t length, double scale,
+            const Opt& key_mask, const Tensor& out);
+
+// quant.cpp's products with GGUF block weights (see there).
+Tensor dequantize(const Tensor& w, int64_t kind, int64_t k);
+void qmatmul(const Tensor& x, const Tensor& w, int64_t kind, const Tensor& out);
+Tensor embedding(const Tensor& ids, const Tensor& w, int64_t kind, int64_t k);
+
+// step.cpp's quantised Llama steps, over a dense and over a paged KV cache (see there).
+void llama_step(const Tensor& ids, const std::vector<int64_t>& positions, const Tensor& embed,
+                int64_t embed_kind, const std::vector<Tensor>& weights,
+                const std::vector<int64_t>& kinds, const std::vector<int64_t>& parts,
+                const std::vector<Tensor>& norms, const std::vector<Tensor>& keys,
+                const std::vector<Tensor>& values, const Tensor& cos, const Tensor& sin,
+                const Opt& key_mask, const Named& sizes, const NamedF& numbers,
+                const Tensor& logits);
+void llama_paged_step(const Tensor& ids, const Tensor& positions, const Tensor& slots,
+                      const Tensor& block_tables, const Tensor& lengths, const Tensor& starts,
+                      const Tensor& out_rows, const Tensor& embed, int64_t embed_kind,
+                      const std::vector<Tensor>& weights, const std::vector<int64_t>& kinds,
+                      const std::vector<int64_t>& parts, const std::vector<Tensor>& norms,
+                      const std::vector<Tensor>& key_pools,
+                      const std::vector<Tensor>& value_pools, const Tensor& cos,
+                      const Tensor& sin, const Named& sizes, const NamedF& numbers,
+                      const Tensor& logits);
+
 }  // namespace attnkit_fused

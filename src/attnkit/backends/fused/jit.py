@@ -76,6 +76,7 @@ SOURCES = (
     "decode.cpp",
     "paged.cpp",
     "step.cpp",
+    "bindings.h",
     "module.cpp",
 )
 BUILD_WAIT = 900.0  # seconds an explicit build waits for another process building the same key

@@ -7,8 +7,6 @@
 // blocks of rows kept in registers.
 #pragma once
 
-#include <torch/extension.h>
-
 #include "fused.h"
 
 namespace attnkit_fused::kv {

@@ -1,6 +1,5 @@
 // The Python bindings of the fused kernel (see __init__.py for the operands' layouts).
-#include <torch/extension.h>
-
+#include "bindings.h"
 #include "fused.h"
 
 namespace attnkit_fused {
@@ -36,13 +35,6 @@ bool bfloat16_packed_ok() {
   }
   return true;
 }
-
-// The quantised matrix products (quant.cpp), the decode attention step (decode.cpp), the paged
-// attention (paged.cpp) and the quantised Llama step (step.cpp) bind their own functions.
-void bind_quant(pybind11::module_& m);
-void bind_decode(pybind11::module_& m);
-void bind_paged(pybind11::module_& m);
-void bind_step(pybind11::module_& m);
 
 }  // namespace attnkit_fused
 

@@ -24,8 +24,6 @@
 // Shape vocabulary (paged.py): b sequences, t new tokens packed, h query heads, hk key/value
 // heads, g = h / hk, d head width, N blocks, s positions per block, m blocks per table row.
 // The online softmax is fused.h's (``logits_row``, ``update``, ``finish``).
-#include <torch/extension.h>
-
 #include "fused.h"
 #include "kv_tiles.h"
 
@@ -463,13 +461,5 @@ void paged(const Tensor& q, const Tensor& key_pool, const Tensor& value_pool,
   }
 }
 
-void bind_paged(pybind11::module_& m) {
-  const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();  // as module.cpp
-  m.def("paged", &paged, no_gil,
-        "attention over a paged KV cache through block tables (writes out)", pybind11::arg("q"),
-        pybind11::arg("key_pool"), pybind11::arg("value_pool"), pybind11::arg("block_tables"),
-        pybind11::arg("lengths"), pybind11::arg("starts"), pybind11::arg("scale"),
-        pybind11::arg("out"));
-}
 
 }  // namespace attnkit_fused

@@ -38,8 +38,6 @@
 // Vector paths: AVX-512 where CPU_CAPABILITY_AVX512 is defined, AVX2 + FMA + F16C where
 // CPU_CAPABILITY_AVX2 is (jit.py sets them by the CPU class torch dispatches to), the scalar
 // twins otherwise.
-#include <torch/extension.h>
-
 #include "fused.h"
 
 #include "quant.h"
@@ -126,6 +124,8 @@ void check_float(const char* fn, const char* arg, const Tensor& t, int64_t rows,
 // ---------------------------------------------------------------------------------------------
 // The entry points.
 
+}  // namespace
+
 Tensor dequantize(const Tensor& w, int64_t kind, int64_t k) {
   const Format& f = checked_format("dequantize", kind);
   check_w("dequantize", w);
@@ -190,19 +190,5 @@ Tensor embedding(const Tensor& ids, const Tensor& w, int64_t kind, int64_t k) {
   return out;
 }
 
-}  // namespace
-
-void bind_quant(pybind11::module_& m) {
-  const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();  // as module.cpp
-  m.def("dequantize", &dequantize, no_gil, pybind11::arg("w"), pybind11::arg("kind"),
-        pybind11::arg("k"),
-        "rows of GGUF blocks (uint8 (n, row_bytes)) to float32 (n, k), as gguf.quants.dequantize");
-  m.def("qmatmul", &qmatmul, no_gil, pybind11::arg("x"), pybind11::arg("w"),
-        pybind11::arg("kind"), pybind11::arg("out"),
-        "out (m, n) = x (m, k) @ dequantize(w)^T, float32 accumulation, W kept in its blocks");
-  m.def("embedding", &embedding, no_gil, pybind11::arg("ids"), pybind11::arg("w"),
-        pybind11::arg("kind"), pybind11::arg("k"),
-        "rows ids of dequantize(w): float32 (len(ids), k)");
-}
 
 }  // namespace attnkit_fused

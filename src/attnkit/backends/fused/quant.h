@@ -4,8 +4,6 @@
 // describes the block layouts and the two product paths; this file only holds the pieces.
 #pragma once
 
-#include <torch/extension.h>
-
 #include "fused.h"
 
 

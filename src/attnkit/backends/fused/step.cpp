@@ -31,8 +31,6 @@
 // Shape vocabulary: t new tokens (rows), b sequences, e embed_dim, h query heads, h_kv key/value
 // heads, d head width, f ffn_dim, V vocabulary, L cache positions, l layers, N blocks of s
 // positions.
-#include <torch/extension.h>
-
 #include "fused.h"
 #include "quant.h"
 
@@ -404,6 +402,8 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
 
 // ---------------------------------------------------------------------------------------------
 
+}  // namespace
+
 void llama_step(const Tensor& ids, const std::vector<int64_t>& positions, const Tensor& embed,
                 int64_t embed_kind, const std::vector<Tensor>& weights,
                 const std::vector<int64_t>& kinds, const std::vector<int64_t>& parts,
@@ -557,27 +557,5 @@ void llama_paged_step(const Tensor& ids, const Tensor& positions, const Tensor& 
           logits.data_ptr<float>());
 }
 
-}  // namespace
-
-void bind_step(pybind11::module_& m) {
-  const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();  // as module.cpp
-  m.def("llama_step", &llama_step, no_gil, pybind11::arg("ids"), pybind11::arg("positions"),
-        pybind11::arg("embed"), pybind11::arg("embed_kind"), pybind11::arg("weights"),
-        pybind11::arg("kinds"), pybind11::arg("parts"), pybind11::arg("norms"),
-        pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("cos"),
-        pybind11::arg("sin"), pybind11::arg("key_mask"), pybind11::arg("sizes"),
-        pybind11::arg("numbers"), pybind11::arg("logits"),
-        "one decoding step of a quantised Llama decoder (writes the caches at length, logits)");
-  m.def("llama_paged_step", &llama_paged_step, no_gil, pybind11::arg("ids"),
-        pybind11::arg("positions"), pybind11::arg("slots"), pybind11::arg("block_tables"),
-        pybind11::arg("lengths"), pybind11::arg("starts"), pybind11::arg("out_rows"),
-        pybind11::arg("embed"), pybind11::arg("embed_kind"), pybind11::arg("weights"),
-        pybind11::arg("kinds"), pybind11::arg("parts"), pybind11::arg("norms"),
-        pybind11::arg("key_pools"), pybind11::arg("value_pools"), pybind11::arg("cos"),
-        pybind11::arg("sin"), pybind11::arg("sizes"), pybind11::arg("numbers"),
-        pybind11::arg("logits"),
-        "one forward step of a quantised Llama decoder over a paged KV cache (writes the pools "
-        "at slots, logits of out_rows)");
-}
 
 }  // namespace attnkit_fused
