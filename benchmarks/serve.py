@@ -368,8 +368,13 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def report(out: dict, args: argparse.Namespace) -> str:
+    heading = (
+        "## Serving: `attnkit serve` under load"
+        if args.section == "serve"
+        else f"### `attnkit serve` under load on {cpu()}"
+    )
     lines = [
-        "## Serving: `attnkit serve` under load",
+        heading,
         "",
         f"Each client streams {args.new} tokens after a {args.prompt}-token prompt (greedy, "
         f"to its length), the clients' requests sent at the same moment; {args.threads} "
@@ -423,12 +428,21 @@ def report(out: dict, args: argparse.Namespace) -> str:
         ]
     lines += [
         "",
-        f"CPU {cpu()}, load average {os.getloadavg()[0]:.1f} at the end. "
-        "`python benchmarks/serve.py --write`.",
+        f"CPU {cpu()}, load average {os.getloadavg()[0]:.1f} at the end. `{command(args)}`.",
         "",
         environment(),
     ]
     return "\n".join(lines)
+
+
+def command(args: argparse.Namespace) -> str:
+    """The command line that writes this table."""
+    words = ["python benchmarks/serve.py"]
+    if args.no_llama_cpp:
+        words.append("--no-llama-cpp")
+    if args.section != "serve":
+        words.append(f"--section {args.section}")
+    return " ".join([*words, "--write"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,7 +462,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-llama-cpp", action="store_true", help="attnkit only")
     parser.add_argument("--quick", action="store_true", help="1 and 2 clients, tiny; print only")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    parser.add_argument(
+        "--section",
+        default="serve",
+        help="the section of docs/benchmarks.md (and chart) to write: serve (default), or "
+        "another name for a second CPU's table (serve-avx2: an AVX2-only CPU's)",
+    )
     args = parser.parse_args(argv)
+    if not args.section.replace("-", "").isalnum():
+        parser.error(f"--section must be letters, digits and '-', got {args.section!r}")
     if args.quick:
         args.clients, args.prompt, args.new, args.system, args.rounds = [1, 2], 8, 8, 64, 2
         args.kv_blocks, args.repeats = 64, 1
@@ -461,13 +483,13 @@ def main(argv: list[str] | None = None) -> int:
     markdown = report(out, args)
     print(markdown)
     if args.write and not args.quick:
-        print(f"wrote {write_section('serve', markdown)}")
-        print(f"wrote {chart(out)}")
+        print(f"wrote {write_section(args.section, markdown)}")
+        print(f"wrote {chart(out, name=args.section)}")
     return 0
 
 
-def chart(out: dict, out_dir: Path = CHARTS) -> Path:
-    """Draw ``serve.png``: aggregate tokens/s and inter-token latency (p50) of each server
+def chart(out: dict, out_dir: Path = CHARTS, name: str = "serve") -> Path:
+    """Draw ``NAME.png``: aggregate tokens/s and inter-token latency (p50) of each server
     against the number of clients."""
     rows = [
         {**row, "series": name, "itl_p50_ms": row["itl_p50"] * 1e3}
@@ -475,7 +497,7 @@ def chart(out: dict, out_dir: Path = CHARTS) -> Path:
         for row in out[name]
     ]
     return write_chart(
-        "serve",
+        name,
         rows,
         panels=[
             ("tokens_per_s", "aggregate throughput", "tokens/s"),

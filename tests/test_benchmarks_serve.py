@@ -70,9 +70,19 @@ def test_the_report_gives_speed_ups_and_the_prefix_cache_ratio() -> None:
         "prefix": {"cached": 0.05, "uncached": 0.5},
     }
     args = argparse.Namespace(
-        new=128, prompt=64, threads=2, system=1000, rounds=5, repeats=3, kv_dtype="float32"
+        new=128,
+        prompt=64,
+        threads=2,
+        system=1000,
+        rounds=5,
+        repeats=3,
+        kv_dtype="float32",
+        section="serve",
+        no_llama_cpp=False,
     )
     text = bench.report(out, args)
+    assert text.startswith("## Serving: `attnkit serve` under load\n")
+    assert "`python benchmarks/serve.py --write`" in text
     want = "| attnkit | 8 | 35.0 (34-37) | 3.50x | 70.0 | 3.50x | 135.0 | 4.50x | 100 | 200 |"
     assert want in text
     assert "| llama.cpp | 8 | 10.0 (9-12) | 1.00x | 20.0 | 1.00x | n/a | n/a | 100 |" in text
@@ -81,6 +91,17 @@ def test_the_report_gives_speed_ups_and_the_prefix_cache_ratio() -> None:
     assert "llama.cpp's server was not measured" not in text
     out["llama.cpp"] = []
     assert "llama.cpp's server was not measured" in bench.report(out, args)
+    # A second CPU's table: its own section, a heading naming the CPU, the command that made it.
+    args.section, args.no_llama_cpp = "serve-avx2", True
+    text = bench.report(out, args)
+    assert text.startswith(f"### `attnkit serve` under load on {bench.cpu()}\n")
+    assert "`python benchmarks/serve.py --no-llama-cpp --section serve-avx2 --write`" in text
+
+
+def test_a_section_name_is_letters_digits_and_dashes() -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--section", "../x"])
+    assert exc.value.code == 2
 
 
 def test_decode_time_counts_overlapping_streams_once() -> None:
