@@ -373,10 +373,17 @@ def report(out: dict, args: argparse.Namespace) -> str:
         if args.section == "serve"
         else f"### `attnkit serve` under load on {cpu()}"
     )
+    short = (  # a second CPU's table: the columns are the main table's, above it
+        f"The load and the columns of the table above: {args.new} tokens after a "
+        f"{args.prompt}-token prompt per client, {args.threads} threads, the KV cache in "
+        f"{args.kv_dtype}, medians of {args.repeats} rounds."
+    )
     lines = [
         heading,
         "",
-        f"Each client streams {args.new} tokens after a {args.prompt}-token prompt (greedy, "
+        short
+        if args.section != "serve"
+        else f"Each client streams {args.new} tokens after a {args.prompt}-token prompt (greedy, "
         f"to its length), the clients' requests sent at the same moment; {args.threads} "
         f"threads; attnkit's KV cache in {args.kv_dtype}. "
         "Tokens/s: every token over a round's wall "

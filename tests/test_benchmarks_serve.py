@@ -96,6 +96,8 @@ def test_the_report_gives_speed_ups_and_the_prefix_cache_ratio() -> None:
     text = bench.report(out, args)
     assert text.startswith(f"### `attnkit serve` under load on {bench.cpu()}\n")
     assert "`python benchmarks/serve.py --no-llama-cpp --section serve-avx2 --write`" in text
+    assert "The load and the columns of the table above: 128 tokens after a 64-token" in text
+    assert "*Any decoding*" not in text  # told once, above
 
 
 def test_a_section_name_is_letters_digits_and_dashes() -> None:
