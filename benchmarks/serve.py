@@ -368,35 +368,35 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def report(out: dict, args: argparse.Namespace) -> str:
-    heading = (
-        "## Serving: `attnkit serve` under load"
-        if args.section == "serve"
-        else f"### `attnkit serve` under load on {cpu()}"
-    )
-    short = (  # a second CPU's table: the columns are the main table's, above it
-        f"The load and the columns of the table above: {args.new} tokens after a "
-        f"{args.prompt}-token prompt per client, {args.threads} threads, the KV cache in "
-        f"{args.kv_dtype}, medians of {args.repeats} rounds."
-    )
+    if args.section == "serve":
+        heading = "## Serving: `attnkit serve` under load"
+        intro = (
+            f"Each client streams {args.new} tokens after a {args.prompt}-token prompt (greedy, "
+            f"to its length), the clients' requests sent at the same moment; {args.threads} "
+            f"threads; attnkit's KV cache in {args.kv_dtype}. "
+            "Tokens/s: every token over a round's wall "
+            f"time, the median of {args.repeats} rounds, the loads interleaved (range in "
+            "brackets). Decode tokens/s, the median of the rounds, two ways. *Any decoding*: "
+            "every token after each request's first, over the time in which some request was "
+            "decoding (from a request's first text to its last, overlaps counted once; prefill "
+            "and queueing before a first token left out, but prompts computed in steps in which "
+            "others already decode count against it). *All decoding*: the texts in the window "
+            "in which every request decodes (from the last request's first text to the first "
+            "request's last), over its length: the batch's decoding speed with every prompt "
+            "computed; n/a where the streams never decode together. TTFT and ITL percentiles "
+            "over every request and gap of those rounds."
+        )
+    else:  # a second CPU's table, below the main one: the columns are told there
+        heading = f"### `attnkit serve` under load on {cpu()}"
+        intro = (
+            f"The load and the columns of the table above: {args.new} tokens after a "
+            f"{args.prompt}-token prompt per client, {args.threads} threads, the KV cache in "
+            f"{args.kv_dtype}, medians of {args.repeats} rounds."
+        )
     lines = [
         heading,
         "",
-        short
-        if args.section != "serve"
-        else f"Each client streams {args.new} tokens after a {args.prompt}-token prompt (greedy, "
-        f"to its length), the clients' requests sent at the same moment; {args.threads} "
-        f"threads; attnkit's KV cache in {args.kv_dtype}. "
-        "Tokens/s: every token over a round's wall "
-        f"time, the median of {args.repeats} rounds, the loads interleaved (range in "
-        "brackets). Decode tokens/s, the median of the rounds, two ways. *Any decoding*: "
-        "every token after each request's first, over the time in which some request was "
-        "decoding (from a request's first text to its last, overlaps counted once; prefill "
-        "and queueing before a first token left out, but prompts computed in steps in which "
-        "others already decode count against it). *All decoding*: the texts in the window in "
-        "which every request decodes (from the last request's first text to the first "
-        "request's last), over its length: the batch's decoding speed with every prompt "
-        "computed; n/a where the streams never decode together. TTFT and ITL percentiles "
-        "over every request and gap of those rounds.",
+        intro,
         "",
         "| server | clients | tokens/s | vs 1 client | decode tokens/s, any decoding "
         "| vs 1 client | decode tokens/s, all decoding | vs 1 client "

@@ -237,5 +237,4 @@ void decode_into(const float* q, int64_t q_sb, int64_t q_sh, int64_t nb, int64_t
   }
 }
 
-
 }  // namespace attnkit_fused

@@ -461,5 +461,4 @@ void paged(const Tensor& q, const Tensor& key_pool, const Tensor& value_pool,
   }
 }
 
-
 }  // namespace attnkit_fused

@@ -121,10 +121,10 @@ void check_float(const char* fn, const char* arg, const Tensor& t, int64_t rows,
   TORCH_CHECK(t.is_contiguous(), fn, ": ", arg, " of shape ", shape(t), " must be contiguous");
 }
 
+}  // namespace
+
 // ---------------------------------------------------------------------------------------------
 // The entry points.
-
-}  // namespace
 
 Tensor dequantize(const Tensor& w, int64_t kind, int64_t k) {
   const Format& f = checked_format("dequantize", kind);
@@ -189,6 +189,5 @@ Tensor embedding(const Tensor& ids, const Tensor& w, int64_t kind, int64_t k) {
   });
   return out;
 }
-
 
 }  // namespace attnkit_fused

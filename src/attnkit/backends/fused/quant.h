@@ -6,7 +6,6 @@
 
 #include "fused.h"
 
-
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif

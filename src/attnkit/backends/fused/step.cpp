@@ -400,9 +400,10 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
   products({{&M.mats.back(), y.data(), sums(y.data(), n_out, e), logits}}, n_out);
 }
 
-// ---------------------------------------------------------------------------------------------
-
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// The entry points.
 
 void llama_step(const Tensor& ids, const std::vector<int64_t>& positions, const Tensor& embed,
                 int64_t embed_kind, const std::vector<Tensor>& weights,
@@ -556,6 +557,5 @@ void llama_paged_step(const Tensor& ids, const Tensor& positions, const Tensor& 
   forward(M, id, t, positions.data_ptr<int64_t>(), attend, rows, n_out,
           logits.data_ptr<float>());
 }
-
 
 }  // namespace attnkit_fused
