@@ -182,12 +182,17 @@ BAD = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("expected", "function", "args"), BAD, ids=[b[0][:40] for b in BAD])
-def test_bad_operands_are_refused_in_a_sentence(kernel, expected, function, args) -> None:
-    """Each error names the argument, its shape and what was expected."""
+def assert_refused(kernel, expected: str, function: str, args: tuple) -> None:
+    """``kernel.function(*args)`` raises, and its sentence holds ``expected``."""
     with pytest.raises(RuntimeError) as raised:
         getattr(kernel, function)(*args)
     assert expected in str(raised.value), f"{expected!r} not in {raised.value}"
+
+
+@pytest.mark.parametrize(("expected", "function", "args"), BAD, ids=[b[0][:40] for b in BAD])
+def test_bad_operands_are_refused_in_a_sentence(kernel, expected, function, args) -> None:
+    """Each error names the argument, its shape and what was expected."""
+    assert_refused(kernel, expected, function, args)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -220,7 +225,7 @@ def _standalone(cpu_class: str):
 
     flags = ["-O3", "-std=c++17", "-fopenmp", *jit._CAPABILITY_FLAGS.get(cpu_class, [])]
     digest = hashlib.sha256(" ".join([*flags, torch.__version__]).encode())
-    for name in ("fused.h", "quant.h", "quant.cpp", "bindings.h"):
+    for name in ("fused.h", "quant.h", "interleaved.h", "quant.cpp", "bindings.h"):
         digest.update((jit.HERE / name).read_bytes())
     digest.update(WRAPPER.encode())
     name = f"attnkit_quant_{cpu_class.lower()}_{digest.hexdigest()[:12]}"

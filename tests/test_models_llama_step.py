@@ -145,11 +145,54 @@ def test_a_replaced_projection_is_seen_before_the_next_step(quant_kernel) -> Non
         assert llama_step.why_not(model, token, caches) is None
         model.blocks[1].ffn.down = other.blocks[1].ffn.down  # another quantised matrix
         assert llama_step.why_not(model, token, caches) is None
-        assert any(w is other.blocks[1].ffn.down.raw for w in model._llama_step.weights)
+        assert _packed_from(model, other.blocks[1].ffn.down.raw)
         down = model.blocks[1].ffn.down
         model.blocks[1].ffn.down = torch.nn.Linear(down.in_features, down.out_features, False)
         why = llama_step.why_not(model, token, caches)
     assert why is not None and "layer 1" in why and "not quantised" in why
+
+
+def _packed_from(model, raw: torch.Tensor) -> bool:
+    """Whether the packed weights hold ``raw`` itself, or its interleaved copy."""
+    packed = model._llama_step
+    return any(w is raw for w in packed.weights) or any(s is raw for s, _ in packed.sources)
+
+
+def test_weights_changed_in_place_are_seen_before_the_next_step(quant_kernel, monkeypatch):
+    """A copy the step keeps (rows interleaved) is made again when its module's weight is
+    written in place: the next step computes with the new values."""
+    model = random_quantised(SMALL, seed=4)
+    other = random_quantised(SMALL, seed=5)
+    prompt = torch.tensor([[5, 7, 11, 2]])
+    with torch.no_grad():
+        for block, theirs in zip(model.blocks, other.blocks, strict=True):
+            block.ffn.up.raw.copy_(theirs.ffn.up.raw)
+    # The module path after the change against the step after the change.
+    assert _steps(model, prompt, 3, monkeypatch) <= 1e-4
+    with torch.no_grad():
+        model.blocks[0].ffn.up.raw.copy_(model.blocks[1].ffn.up.raw)
+    assert _steps(model, prompt, 3, monkeypatch) <= 1e-4
+
+
+def test_the_step_multiplies_rows_in_the_layout_its_build_prefers(quant_kernel) -> None:
+    """AVX2 without AVX-512 (``interleaves``): Q4_0, Q4_1 and Q8_0 matrices whose rows come
+    in eights go to the step with their rows interleaved (kind 256 + the GGUF type), others as
+    they are (SMALL's tied output has 101 rows); elsewhere every matrix as it is."""
+    model = random_quantised(SMALL)
+    caches = model.new_caches(8)
+    with torch.no_grad():
+        model(torch.tensor([[5, 7]]), caches=caches)
+        assert llama_step.why_not(model, torch.tensor([[3]]), caches) is None
+    packed = model._llama_step
+    pairs = zip(packed.weights, packed.kinds, strict=True)
+    layouts = [(kind, w.shape[0] % 8 == 0) for w, kind in pairs]
+    if quant_kernel.interleaves():
+        assert {kind for kind, _ in layouts} == {258, 259, 264, 8}
+        assert all(whole for kind, whole in layouts if kind >= 256)
+        assert all(not whole for kind, whole in layouts if kind < 256)
+        assert len(packed.sources) == sum(kind >= 256 for kind, _ in layouts)
+    else:
+        assert all(kind < 256 for kind, _ in layouts) and packed.sources == ()
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -38,14 +38,17 @@ def _pool(model, dtype=torch.float32, blocks: int = 96, size: int = 8) -> BlockP
     )
 
 
-def _run(model, prompts, cut: int, steps: int, dtype=torch.float32, size: int = 8) -> float:
+def _run(model, prompts, cut: int, steps: int, dtype=torch.float32, size: int = 8, effect=None):
     """Prefill the prompts in two chunks (``cut`` tokens, then the rest), then decode ``steps``
     greedy tokens for all of them: compiled into one pool, the module loop (reference
     attention) into another with the same tables. Every step's logits and, at the end, the
-    pools must agree; returns the largest logit difference."""
+    pools must agree; returns the largest logit difference. ``effect``, a list: the module
+    loop runs a third time into a float32 pool, and the list gets the largest difference the
+    pool's dtype makes to its logits."""
     room = max(map(len, prompts)) + steps
     blocks = len(prompts) * -(-room // size) + 5
     compiled, reference = (_pool(model, dtype, blocks, size) for _ in range(2))
+    exact = _pool(model, torch.float32, blocks, size) if effect is not None else None
     free = list(range(blocks))
     random.Random(len(prompts)).shuffle(free)
     tables = [[free.pop() for _ in range(-(-room // size))] for _ in prompts]
@@ -64,6 +67,9 @@ def _run(model, prompts, cut: int, steps: int, dtype=torch.float32, size: int = 
             got = paged_forward(model, batch, compiled)
             assert llama_step.calls == before + 1, "the compiled step was not taken"
             want = paged_forward(model, batch, reference, attention=paged_attention)
+            if exact is not None:
+                float32 = paged_forward(model, batch, exact, attention=paged_attention)
+                effect.append(max([*effect, (want - float32).abs().max().item()]))
             assert llama_step.calls == before + 1
         worst = max(worst, (got - want).abs().max().item())
         for row, n in enumerate(rows):
@@ -87,10 +93,13 @@ def test_ragged_prefill_chunks_and_decoding_equal_the_module_loop(quant_kernel, 
     # First step: 1 + 7 + 13 + 13 + 13 + 3 rows; then ragged rests; then six sequences
     # decoding together. The two paths sum the products in different orders (the module loop
     # multiplies chunks of more than 8 tokens by gemm); in a bfloat16 pool a key or value on a
-    # rounding boundary then lands one bfloat16 step (2^-8 relative) apart, which moves the
-    # logits by up to about 1e-3.
-    bound = 1e-4 if dtype == torch.float32 else 2e-3
-    assert _run(model, prompts, cut=13, steps=12, dtype=dtype) <= bound
+    # rounding boundary then lands one bfloat16 step (2^-8 relative) apart. Those steps move
+    # the logits far less than storing every key and value in bfloat16 does (the reference's
+    # own difference from a float32 pool, about 0.15 here): the bound is a tenth of that.
+    effect: list[float] = []
+    worst = _run(model, prompts, cut=13, steps=12, dtype=dtype, effect=effect)
+    bound = 1e-4 if dtype == torch.float32 else effect[-1] / 10
+    assert worst <= bound
 
 
 def test_many_sequences_decoding_together_equal_the_module_loop(quant_kernel) -> None:

@@ -45,6 +45,8 @@ __all__ = ["calls", "paged_step", "step", "why_not", "why_not_paged"]
 
 calls = 0  # steps served by the kernel in this process (tests read it), dense and paged
 _CPU = torch.device("cpu")
+_INTERLEAVED = 256  # a kind's flag for rows interleaved by 8 (the kernel's interleaved.h)
+_INTERLEAVABLE = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 
 
 @dataclass
@@ -53,6 +55,9 @@ class _Packed:
 
     modules: tuple[int, ...]  # ids of the modules packed: a replaced module repacks
     why: str | None  # why this model cannot take the step, or None
+    # The weights copied into the kernel's interleaved layout, with their versions then: one
+    # changed in place since repacks.
+    sources: tuple[tuple[Tensor, int], ...] = ()
     embed: Tensor | None = None
     embed_kind: int = 0
     weights: list[Tensor] | None = None
@@ -96,6 +101,24 @@ def _parts(linear: Any) -> list[QuantizedLinear] | None:
     return None
 
 
+class _Layout:
+    """The layout the kernel multiplies a weight in: GGUF's own rows, or, where this build
+    says it is faster (``interleaves``: AVX2 without AVX-512), Q4_0, Q4_1 and Q8_0 rows
+    interleaved by 8 (a rearranged copy: the same bytes, the same values; the module keeps its
+    own, so a model taking this step holds its matrices twice)."""
+
+    def __init__(self) -> None:
+        kernel = jit.loaded()
+        self.kernel = kernel if kernel is not None and kernel.interleaves() else None
+        self.sources: list[tuple[Tensor, int]] = []
+
+    def __call__(self, raw: Tensor, kind: int) -> tuple[Tensor, int]:
+        if self.kernel is None or kind not in _INTERLEAVABLE or raw.shape[0] % 8:
+            return raw, kind
+        self.sources.append((raw, raw._version))
+        return self.kernel.interleave(raw, kind), kind + _INTERLEAVED
+
+
 def _pack(model: Any, modules: tuple[int, ...]) -> _Packed:
     c = model.config
     if not isinstance(model.embed, QuantizedEmbedding):
@@ -103,6 +126,7 @@ def _pack(model: Any, modules: tuple[int, ...]) -> _Packed:
     if model.norm.weight.dtype != torch.float32:
         return _Packed(modules, f"the norms are {model.norm.weight.dtype}, not float32")
     weights, kinds, parts, norms = [], [], [], []
+    layout = _Layout()
     for n, block in enumerate(model.blocks):
         a = block.attn
         if a.backend not in ("auto", "fused"):
@@ -114,14 +138,16 @@ def _pack(model: Any, modules: tuple[int, ...]) -> _Packed:
             found = _parts(linear)
             if found is None:
                 return _Packed(modules, f"layer {n} has a projection that is not quantised")
-            weights += [p.raw for p in found]
-            kinds += [p.kind for p in found]
+            for w, kind in (layout(p.raw, p.kind) for p in found):
+                weights.append(w)
+                kinds.append(kind)
             parts.append(len(found))
     out = [model.embed] if model.lm_head is None else _parts(model.lm_head)
     if out is None:
         return _Packed(modules, "the output projection is not quantised")
-    weights += [p.raw for p in out]
-    kinds += [p.kind for p in out]
+    for w, kind in (layout(p.raw, p.kind) for p in out):
+        weights.append(w)
+        kinds.append(kind)
     parts.append(len(out))
     norms.append(model.norm.weight.detach())
     sizes = {
@@ -136,14 +162,28 @@ def _pack(model: Any, modules: tuple[int, ...]) -> _Packed:
     numbers = {"eps": float(c.eps), "scale": 1.0 / math.sqrt(c.head_dim)}
     embed = model.embed
     return _Packed(
-        modules, None, embed.raw, embed.kind, weights, kinds, parts, norms, sizes, numbers
+        modules,
+        None,
+        tuple(layout.sources),
+        embed.raw,
+        embed.kind,
+        weights,
+        kinds,
+        parts,
+        norms,
+        sizes,
+        numbers,
     )
 
 
 def _packed(model: Any) -> _Packed:
     modules = tuple(map(id, _modules(model)))
     packed: _Packed | None = getattr(model, "_llama_step", None)
-    if packed is None or packed.modules != modules:
+    if (
+        packed is None
+        or packed.modules != modules
+        or any(raw._version != version for raw, version in packed.sources)
+    ):
         packed = _pack(model, modules)
         model._llama_step = packed  # a plain attribute: not state, never saved
     return packed

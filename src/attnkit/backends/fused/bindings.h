@@ -22,6 +22,11 @@ inline void bind_quant(pybind11::module_& m) {
   m.def("embedding", &embedding, no_gil, pybind11::arg("ids"), pybind11::arg("w"),
         pybind11::arg("kind"), pybind11::arg("k"),
         "rows ids of dequantize(w): float32 (len(ids), k)");
+  m.def("interleave", &interleave, no_gil, pybind11::arg("w"), pybind11::arg("kind"),
+        "Q4_0, Q4_1 or Q8_0 rows (uint8 (n, row_bytes), n a multiple of 8) interleaved by 8: "
+        "the same bytes rearranged, for kind 256 + kind in dequantize, qmatmul and the steps");
+  m.def("interleaves", &interleaves,
+        "whether this build's decoding step multiplies rows interleaved by 8 faster (AVX2)");
 }
 
 inline void bind_decode(pybind11::module_& m) {

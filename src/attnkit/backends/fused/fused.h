@@ -390,6 +390,8 @@ void decode(const Tensor& q, const Tensor& key, const Tensor& value, int64_t len
 Tensor dequantize(const Tensor& w, int64_t kind, int64_t k);
 void qmatmul(const Tensor& x, const Tensor& w, int64_t kind, const Tensor& out);
 Tensor embedding(const Tensor& ids, const Tensor& w, int64_t kind, int64_t k);
+Tensor interleave(const Tensor& w, int64_t kind);
+bool interleaves();
 
 // step.cpp's quantised Llama steps, over a dense and over a paged KV cache (see there).
 void llama_step(const Tensor& ids, const std::vector<int64_t>& positions, const Tensor& embed,

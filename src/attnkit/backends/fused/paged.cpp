@@ -102,7 +102,7 @@ void transposed_keys(const kv_t* const* k_rows, int64_t n, int64_t d, int64_t d_
 #if defined(CPU_CAPABILITY_AVX512)
 // Lane i of the result: the sum of v[i]'s 16 lanes (pairs within 128-bit lanes, then quads,
 // then across the four 128-bit lanes).
-inline __m512 lane_sums16(const __m512* v) {
+inline Vec lane_sums(const Vec* v) {
   __m512 a[8], c[4];
   for (int i = 0; i < 8; i++) {
     a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
@@ -119,34 +119,47 @@ inline __m512 lane_sums16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(u01, u23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
+#elif defined(CPU_CAPABILITY_AVX2)
+// Lane i of the result: the sum of v[i]'s 8 lanes (pairs, then quads, then the two halves).
+inline Vec lane_sums(const Vec* v) {
+  __m256 a[4];
+  for (int i = 0; i < 4; i++) a[i] = _mm256_hadd_ps(v[2 * i], v[2 * i + 1]);
+  const __m256 b0 = _mm256_hadd_ps(a[0], a[1]), b1 = _mm256_hadd_ps(a[2], a[3]);
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20),
+                       _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+#endif
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // s[r][c] = q_r . k_c for R (at most HEADS) rows and keys [0, n), straight from the key rows
-// as stored: each key row is read once for the R rows, and 16 keys' partial sums are added up
-// across lanes together. For a decoding step's few rows this costs about half of transposing
-// the tile first (transposed_keys, which pays off when a prefill chunk brings many rows).
-// Columns [n, n_p) are zero. ``ask(keys)`` before each 16 keys: the rows read ahead (Stream).
+// as stored: each key row is read once for the R rows, and a vector's worth of keys (L = 16
+// with AVX-512, 8 with AVX2) have their partial sums added up across lanes together. For a
+// decoding step's few rows this costs about half of transposing the tile first
+// (transposed_keys, which pays off when a prefill chunk brings many rows). Columns [n, n_p)
+// are zero. ``ask(keys)`` before each L keys: the rows read ahead (Stream).
 template <int R, typename kv_t, typename Ask>
 void direct_scores(const float* q_rows, int64_t d, int64_t d_p, const kv_t* const* k_rows,
                    int64_t n, int64_t n_p, float* s, Ask&& ask) {
-  for (int64_t c0 = 0; c0 < n_p; c0 += 16) {
-    ask(std::min<int64_t>(16, n - c0));
-    __m512 t[R][16];
-    for (int c = 0; c < 16; c++) {
-      __m512 acc[R];
-      for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  constexpr int L = Vec::size();
+  for (int64_t c0 = 0; c0 < n_p; c0 += L) {
+    ask(std::min<int64_t>(L, n - c0));
+    Vec t[R][L];
+    for (int c = 0; c < L; c++) {
+      Vec acc[R];
+      for (int r = 0; r < R; r++) acc[r] = Vec(0.0f);
       if (c0 + c < n) {
         for (int64_t e = 0; e < d_p; e += W) {
           auto [k0, k1] = load_pair(k_rows[c0 + c] + e, d - e);
           for (int r = 0; r < R; r++) {
             const float* q = q_rows + r * d_p + e;
-            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q), k0, acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + Vec::size()), k1, acc[r]);
+            acc[r] = at::vec::fmadd(Vec::loadu(q), k0, acc[r]);
+            acc[r] = at::vec::fmadd(Vec::loadu(q + L), k1, acc[r]);
           }
         }
       }
       for (int r = 0; r < R; r++) t[r][c] = acc[r];
     }
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(s + r * TILE + c0, lane_sums16(t[r]));
+    for (int r = 0; r < R; r++) lane_sums(t[r]).store(s + r * TILE + c0);
   }
 }
 #endif
@@ -181,10 +194,10 @@ struct Stream {
   }
 };
 
-// Whether tasks of ``rows`` rows transpose their key tiles (chunk_state): with AVX-512, only
-// past HEADS rows (a prefill chunk); a decoding step reads the keys as stored.
+// Whether tasks of ``rows`` rows transpose their key tiles (chunk_state): with AVX-512 or AVX2,
+// only past HEADS rows (a prefill chunk); a decoding step reads the keys as stored.
 inline bool transposes(int64_t rows) {
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   return rows > HEADS;
 #else
   (void)rows;
@@ -237,7 +250,7 @@ void chunk_state(const Problem& pr, const kv_t* k_pool, const kv_t* v_pool, cons
     rows_of(pr, k_pool, table, it.hk, t0, n, k_rows);
     rows_of(pr, v_pool, table, it.hk, t0, n, v_rows);
     // s = q k^T, every row against the tile
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     if (rows <= HEADS) {
       by_rows(rows, [&](auto R, int64_t r0) {  // one group of rows moves the stream on
         direct_scores<R>(w.q_rows.data() + r0 * d_p, d, d_p, k_rows, n, n_p, s + r0 * TILE,

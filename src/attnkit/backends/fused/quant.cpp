@@ -40,6 +40,7 @@
 // twins otherwise.
 #include "fused.h"
 
+#include "interleaved.h"
 #include "quant.h"
 
 #include <sstream>
@@ -66,10 +67,11 @@ void qmatmul_rows(int64_t kind, const float* x, int64_t m, const uint8_t* w, int
                   int64_t n, int64_t k, float* out) {
   std::vector<float> xsum(needs_unit_sums(kind) ? m * (k / UNIT) : 0);  // (m, units)
   if (needs_unit_sums(kind)) unit_sums(x, m, k, xsum.data());
-  const int64_t grain = std::max<int64_t>(1, 16384 / k);  // rows: about 16k values of work
+  // Rows: about 16k values of work, in whole sets of interleaved rows (interleaved.h).
+  const int64_t grain = std::max<int64_t>(SET * GROUP, 16384 / k / (SET * GROUP) * SET * GROUP);
   at::parallel_for(0, n, grain, [&](int64_t c0, int64_t c1) {
     note_thread();
-    matvec_range(kind, x, m, xsum.data(), w, row_bytes, k, c0, c1, out, n);
+    rows_range(kind, x, m, xsum.data(), w, n, row_bytes, k, c0, c1, out, n);
   });
 }
 
@@ -82,12 +84,24 @@ std::string shape(const Tensor& t) {
   return s.str();
 }
 
-const Format& checked_format(const char* fn, int64_t kind) {
-  const Format* f = format(kind);
-  TORCH_CHECK(f != nullptr, fn, ": kind = ", kind,
+// The block format of kind: a GGUF type, or (where grouped_ok) INTERLEAVED + Q4_0, Q4_1 or
+// Q8_0 for rows interleaved by GROUP (interleaved.h).
+const Format& checked_format(const char* fn, int64_t kind, bool grouped_ok = false) {
+  const bool grouped = kind >= 0 && (kind & INTERLEAVED) != 0;
+  const Format* f = format(grouped ? kind & ~INTERLEAVED : kind);
+  TORCH_CHECK(f != nullptr && (!grouped || (grouped_ok && interleavable(kind & ~INTERLEAVED))),
+              fn, ": kind = ", kind,
               " is not a supported GGUF type (expected one of F32 = 0, F16 = 1, Q4_0 = 2, "
-              "Q4_1 = 3, Q8_0 = 8, Q6_K = 14, BF16 = 30)");
+              "Q4_1 = 3, Q8_0 = 8, Q6_K = 14, BF16 = 30",
+              grouped_ok ? "; or 256 + Q4_0, Q4_1 or Q8_0 for rows interleaved by 8)" : ")");
   return *f;
+}
+
+// Interleaved rows come in whole groups.
+void check_groups(const char* fn, const Tensor& w, int64_t kind) {
+  TORCH_CHECK(!(kind & INTERLEAVED) || w.size(0) % GROUP == 0, fn, ": w of shape ", shape(w),
+              " is interleaved by ", GROUP, " rows (kind = ", kind, ") but has ", w.size(0),
+              " rows, not a multiple of ", GROUP);
 }
 
 void check_w(const char* fn, const Tensor& w) {
@@ -127,13 +141,24 @@ void check_float(const char* fn, const char* arg, const Tensor& t, int64_t rows,
 // The entry points.
 
 Tensor dequantize(const Tensor& w, int64_t kind, int64_t k) {
-  const Format& f = checked_format("dequantize", kind);
+  const Format& f = checked_format("dequantize", kind, true);
   check_w("dequantize", w);
+  check_groups("dequantize", w, kind);
   const int64_t row_bytes = checked_row_bytes("dequantize", f, k, w);
   const int64_t n = w.size(0);
   Tensor out = at::empty({n, k}, at::kFloat);  // (n, k)
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  if (kind & INTERLEAVED) {
+    with_interleaved_kind(kind, [&](auto kc) {
+      at::parallel_for(0, n / GROUP, 1, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; g++) {
+          dequantize_group<decltype(kc)::value>(wp, n, row_bytes, g, k, op + g * GROUP * k, k);
+        }
+      });
+    });
+    return out;
+  }
   with_kind(kind, [&](auto kc) {
     constexpr int64_t KIND = decltype(kc)::value;
     at::parallel_for(0, n, std::max<int64_t>(1, 16384 / k), [&](int64_t c0, int64_t c1) {
@@ -144,8 +169,9 @@ Tensor dequantize(const Tensor& w, int64_t kind, int64_t k) {
 }
 
 void qmatmul(const Tensor& x, const Tensor& w, int64_t kind, const Tensor& out) {
-  const Format& f = checked_format("qmatmul", kind);
+  const Format& f = checked_format("qmatmul", kind, true);
   check_w("qmatmul", w);
+  check_groups("qmatmul", w, kind);
   TORCH_CHECK(w.size(1) % f.bytes == 0, "qmatmul: w of shape ", shape(w), " has rows of ",
               w.size(1), " bytes, not a whole number of ", f.name, " blocks of ", f.bytes,
               " bytes");
@@ -158,14 +184,29 @@ void qmatmul(const Tensor& x, const Tensor& w, int64_t kind, const Tensor& out) 
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  if (m <= row_path_rows(kind)) {
+  if (m <= ((kind & INTERLEAVED) ? STEP_ROWS : row_path_rows(kind))) {
     qmatmul_rows(kind, xp, m, wp, w.size(1), n, k, op);
     return;
   }
-  with_kind(kind, [&](auto kc) {
-    matmul_tiles<decltype(kc)::value>(xp, m, wp, w.size(1), n, k, op, n);
-  });
+  tiles(kind, xp, m, wp, w.size(1), n, k, op, n);
 }
+
+Tensor interleave(const Tensor& w, int64_t kind) {
+  const Format& f = checked_format("interleave", kind);
+  TORCH_CHECK(interleavable(kind), "interleave: kind = ", kind, " (", f.name,
+              ") cannot be interleaved (expected Q4_0 = 2, Q4_1 = 3 or Q8_0 = 8)");
+  check_w("interleave", w);
+  TORCH_CHECK(w.size(0) % GROUP == 0, "interleave: w of shape ", shape(w), " has ", w.size(0),
+              " rows, not a multiple of ", GROUP);
+  TORCH_CHECK(w.size(1) % f.bytes == 0, "interleave: w of shape ", shape(w), " has rows of ",
+              w.size(1), " bytes, not a whole number of ", f.name, " blocks of ", f.bytes,
+              " bytes");
+  Tensor out = at::empty_like(w);
+  interleave_rows(kind, w.data_ptr<uint8_t>(), w.size(0), w.size(1), out.data_ptr<uint8_t>());
+  return out;
+}
+
+bool interleaves() { return prefers_interleaved(); }
 
 Tensor embedding(const Tensor& ids, const Tensor& w, int64_t kind, int64_t k) {
   const Format& f = checked_format("embedding", kind);

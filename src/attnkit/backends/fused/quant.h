@@ -654,9 +654,11 @@ constexpr int64_t STEP_ROWS = 256;
 // The matrix-matrix path: tiles of W's rows (and of x's rows when W alone gives too few tiles
 // for the threads), each de-quantised into a thread's float32 buffer and multiplied by gemm:
 // out[:, tile] = x @ tile^T, out rows ldo apart.
-template <int64_t KIND>
-void matmul_tiles(const float* x, int64_t m, const uint8_t* w, int64_t row_bytes, int64_t n,
-                  int64_t k, float* out, int64_t ldo) {
+// rows(c0, c1, buffer) de-quantises W's rows [c0, c1) into buffer (rows k apart); c0 is a
+// multiple of 16, and c1 too unless it is n.
+template <typename Rows>
+void matmul_tiles_of(const float* x, int64_t m, int64_t n, int64_t k, float* out, int64_t ldo,
+                     Rows&& rows) {
   const int64_t threads = at::get_num_threads();
   // A tile of about 64k floats (256 KiB: in L2 while gemm reads it), 16 to 128 rows, small
   // enough that every thread gets several.
@@ -677,8 +679,7 @@ void matmul_tiles(const float* x, int64_t m, const uint8_t* w, int64_t row_bytes
       const int64_t c0 = nt * tile_n, c1 = std::min(n, c0 + tile_n);
       const int64_t r0 = mt * tile_m, r1 = std::min(m, r0 + tile_m);
       if (held != nt) {
-        for (int64_t c = c0; c < c1; c++)
-          dequantize_row<KIND>(w + c * row_bytes, k, tile.data() + (c - c0) * k);
+        rows(c0, c1, tile.data());
         held = nt;
       }
       // out[r0:r1, c0:c1] = x[r0:r1] @ tile^T: torch's float32 matmul (MKL where torch has it;
@@ -690,6 +691,14 @@ void matmul_tiles(const float* x, int64_t m, const uint8_t* w, int64_t row_bytes
           at::from_blob(out + r0 * ldo + c0, {r1 - r0, c1 - c0}, {ldo, 1}, at::kFloat);
       at::mm_out(out_tile, x_rows, tile_t);
     }
+  });
+}
+
+template <int64_t KIND>
+void matmul_tiles(const float* x, int64_t m, const uint8_t* w, int64_t row_bytes, int64_t n,
+                  int64_t k, float* out, int64_t ldo) {
+  matmul_tiles_of(x, m, n, k, out, ldo, [&](int64_t c0, int64_t c1, float* tile) {
+    for (int64_t c = c0; c < c1; c++) dequantize_row<KIND>(w + c * row_bytes, k, tile + (c - c0) * k);
   });
 }
 

@@ -32,6 +32,7 @@
 // heads, d head width, f ffn_dim, V vocabulary, L cache positions, l layers, N blocks of s
 // positions.
 #include "fused.h"
+#include "interleaved.h"
 #include "quant.h"
 
 #include <algorithm>
@@ -72,10 +73,7 @@ void products(std::initializer_list<Job> jobs, int64_t m) {
   if (m > STEP_ROWS) {
     for (const Job& j : jobs) {
       for (const Part& p : j.mat->parts) {
-        with_kind(p.kind, [&](auto kc) {
-          matmul_tiles<decltype(kc)::value>(j.x, m, p.w, p.row_bytes, p.n, j.mat->k,
-                                            j.out + p.first, j.mat->n);
-        });
+        tiles(p.kind, j.x, m, p.w, p.row_bytes, p.n, j.mat->k, j.out + p.first, j.mat->n);
       }
     }
     return;
@@ -88,9 +86,13 @@ void products(std::initializer_list<Job> jobs, int64_t m) {
   // with its share takes pieces of the others'. So a thread that starts late (its core was
   // busy with another thread, say a server's event loop) leaves part of its share to the
   // others instead of holding them at the region's end.
+  // Shares and pieces are whole sets of interleaved rows (interleaved.h: 32 rows) where the
+  // matrices' rows are: one row of x multiplies a set's four groups at once, and a piece that
+  // cut a group would have two threads multiply all of it.
+  constexpr int64_t rows_of_set = SET * GROUP;
   const int64_t grain = std::max<int64_t>(1, 16384 / k);  // rows: about 16k values of work
-  const int64_t share = (total + threads - 1) / threads;
-  const int64_t piece = std::max<int64_t>(1, std::min(grain, share));
+  const int64_t share = (total + threads * rows_of_set - 1) / (threads * rows_of_set) * rows_of_set;
+  const int64_t piece = std::max(rows_of_set, std::min(grain, share) / rows_of_set * rows_of_set);
   struct alignas(64) Cursor {
     std::atomic<int64_t> next;
     int64_t end;
@@ -107,8 +109,8 @@ void products(std::initializer_list<Job> jobs, int64_t m) {
         const int64_t lo = std::max(r0, base + p.first);
         const int64_t hi = std::min(r1, base + p.first + p.n);
         if (lo < hi) {
-          matvec_range(p.kind, j.x, m, j.xsum, p.w, p.row_bytes, j.mat->k, lo - base - p.first,
-                       hi - base - p.first, j.out + p.first, j.mat->n);
+          rows_range(p.kind, j.x, m, j.xsum, p.w, p.n, p.row_bytes, j.mat->k,
+                     lo - base - p.first, hi - base - p.first, j.out + p.first, j.mat->n);
         }
       }
       base += j.mat->n;
@@ -227,9 +229,14 @@ std::vector<Matrix> matrices(const char* fn, const std::vector<Tensor>& weights,
     int64_t first = 0;
     for (int64_t p = 0; p < parts[x]; p++, w++) {
       const Tensor& t = weights[w];
-      const Format* f = format(kinds[w]);
-      TORCH_CHECK(f != nullptr, fn, ": kinds[", w, "] = ", kinds[w],
-                  " is not a supported GGUF type");
+      const bool grouped = (kinds[w] & INTERLEAVED) != 0;
+      const Format* f = format(kinds[w] & ~INTERLEAVED);
+      TORCH_CHECK(f != nullptr && (!grouped || interleavable(kinds[w] & ~INTERLEAVED)), fn,
+                  ": kinds[", w, "] = ", kinds[w], " is not a supported GGUF type (or ",
+                  INTERLEAVED, " + Q4_0, Q4_1 or Q8_0 for rows interleaved by ", GROUP, ")");
+      TORCH_CHECK(!grouped || t.size(0) % GROUP == 0, fn, ": weights[", w, "] of shape ",
+                  shape(t), " is interleaved by ", GROUP, " rows but has ", t.size(0),
+                  " rows, not a multiple of ", GROUP);
       TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kByte && t.dim() == 2 &&
                       t.is_contiguous(),
                   fn, ": weights[", w, "] must be a contiguous uint8 (n, row_bytes) CPU "

@@ -1,0 +1,376 @@
+// Rows of W interleaved by eight: the layout the decoding step multiplies Q4_0, Q4_1 and Q8_0
+// weights in where the CPU has AVX2 but not AVX-512.
+//
+// GGUF stores each row of W as its own run of blocks, so a product reads one row at a time and
+// ends with a sum across a vector's lanes. With AVX2 that row-at-a-time product reached about
+// 16 GMAC/s per core for 8 rows of x, a third of what the core's FMAs allow. Here the rows of W
+// go in groups of 8 (GROUP), and a group's blocks are interleaved so that one vector holds the
+// same element of all 8 rows:
+//
+//   kind  per block of a group (8 rows x 32 values)                  bytes (= 8 blocks)
+//   Q4_0  d[8] f16, qs[16][8]                                        16 + 128 = 144
+//   Q4_1  d[8] f16, m[8] f16, qs[16][8]                              32 + 128 = 160
+//   Q8_0  d[8] f16, q[32][8] int8                                    16 + 256 = 272
+//
+// where qs[p][j] is byte p of row j's own block (its low nibble is element p, its high nibble
+// element p + 16, as in GGUF) and q[e][j] is element e of row j. Groups go by fours ("sets":
+// 32 rows, the last set of a matrix may hold fewer groups) whose blocks alternate: a set's unit
+// 0 of its groups 0, 1, 2, 3, then unit 1 of each, and so on. One row of x multiplies a set's
+// four groups at once and so reads the set as one stream (a stream per group read from memory
+// ran at 0.8-0.9x GGUF's rows; one stream, 1.0-1.2x). Set s is the bytes of rows 32 s ..
+// 32 s + 31 of the (n, row_bytes) tensor: the same bytes, rearranged (``interleave``).
+//
+// A product then de-quantises 8 rows' element e into one vector (exactly as gguf does: q d + m,
+// (q - 8) d or q d, whose products are exact in float32) and multiplies it into one accumulator
+// per row of x with a broadcast x[r][e]: no sum across lanes, and one vector of W serves every
+// row of x. Each output (row r of x, row c of W) is one chain of FMAs over its k values, in the
+// same order (block by block; within a block elements p, p + 16 for p = 0 .. 15) however many
+// rows of x or groups of W a call takes at once: a row's result is the same bits alone and in a
+// batch. With 8 rows of x it ran at 32 GMAC/s per core (1.5-1.6x the row-at-a-time kernel) and
+// with 1 row 1.1-1.2x.
+//
+// Without AVX2 the same arithmetic runs on 8 floats with std::fma: the same bits, slowly (a
+// build that prefers GGUF's layout only meets this one in tests).
+#pragma once
+
+#include "quant.h"
+
+#include <cmath>
+
+namespace attnkit_fused::quant {
+
+constexpr int64_t INTERLEAVED = 256;  // a kind's flag: its rows interleaved by GROUP
+constexpr int64_t GROUP = 8;
+
+constexpr bool interleavable(int64_t kind) { return kind == Q4_0 || kind == Q4_1 || kind == Q8_0; }
+
+// Whether this build's decoding step is faster with interleaved rows (attnkit.models.llama_step
+// asks once, through the binding ``interleaves``): with AVX-512 the row kernels' 16-value table
+// (matvec_exact) is already near the FMA peak, and the portable path gains nothing.
+constexpr bool prefers_interleaved() {
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Bytes of a block's scales (d, and m for Q4_1): a group's block holds 8 of each first.
+constexpr int64_t head_bytes(int64_t kind) { return kind == Q4_1 ? 4 : 2; }
+
+constexpr int64_t SET = 4;  // groups a set holds (its last may hold fewer)
+
+// Where group g of an interleaved W (``groups`` groups of rows row_bytes long, blocks of
+// block_bytes) keeps its unit 0, and how far apart its units are.
+struct GroupAt {
+  int64_t offset, unit_stride;
+};
+inline GroupAt group_at(int64_t g, int64_t groups, int64_t row_bytes, int64_t block_bytes) {
+  const int64_t set = g / SET, in_set = std::min(SET, groups - set * SET);
+  return {set * SET * GROUP * row_bytes + (g % SET) * GROUP * block_bytes,
+          in_set * GROUP * block_bytes};
+}
+
+// W's n rows (row_bytes each, GGUF blocks of ``kind``, n a multiple of GROUP) interleaved.
+inline void interleave_rows(int64_t kind, const uint8_t* w, int64_t n, int64_t row_bytes,
+                            uint8_t* out) {
+  const Format& f = *format(kind);
+  const int64_t units = row_bytes / f.bytes, head = head_bytes(kind), body = f.bytes - head;
+  const int64_t groups = n / GROUP;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; g++) {
+      const GroupAt at = group_at(g, groups, row_bytes, f.bytes);
+      for (int64_t u = 0; u < units; u++) {
+        uint8_t* o = out + at.offset + u * at.unit_stride;
+        for (int64_t j = 0; j < GROUP; j++) {
+          const uint8_t* b = w + (g * GROUP + j) * row_bytes + u * f.bytes;
+          std::memcpy(o + 2 * j, b, 2);                                      // d
+          if (kind == Q4_1) std::memcpy(o + 2 * GROUP + 2 * j, b + 2, 2);  // m
+          for (int64_t e = 0; e < body; e++) o[GROUP * head + e * GROUP + j] = b[head + e];
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// 8 lanes: one element of a group's 8 rows.
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+using Lanes = __m256;
+inline Lanes lanes_zero() { return _mm256_setzero_ps(); }
+inline Lanes lanes_set(float a) { return _mm256_set1_ps(a); }
+inline Lanes lanes_fma(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, b, c); }
+inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm256_mul_ps(a, b); }
+inline Lanes lanes_add(Lanes a, Lanes b) { return _mm256_add_ps(a, b); }
+inline void lanes_store(float* p, Lanes a) { _mm256_storeu_ps(p, a); }
+inline Lanes lanes_halves(const uint8_t* p) {  // 8 float16
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline Lanes lanes_int8s(const uint8_t* p) {  // 8 int8
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void lanes_nibbles(const uint8_t* p, Lanes& low, Lanes& high) {  // 8 bytes' nibbles
+  const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  low = _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)));
+  high = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+}
+#else
+struct Lanes {
+  float v[GROUP];
+};
+inline Lanes lanes_zero() { return Lanes{}; }
+inline Lanes lanes_set(float a) {
+  Lanes l;
+  for (float& v : l.v) v = a;
+  return l;
+}
+inline Lanes lanes_fma(Lanes a, Lanes b, Lanes c) {
+  for (int j = 0; j < GROUP; j++) c.v[j] = std::fma(a.v[j], b.v[j], c.v[j]);
+  return c;
+}
+inline Lanes lanes_mul(Lanes a, Lanes b) {
+  for (int j = 0; j < GROUP; j++) a.v[j] *= b.v[j];
+  return a;
+}
+inline Lanes lanes_add(Lanes a, Lanes b) {
+  for (int j = 0; j < GROUP; j++) a.v[j] += b.v[j];
+  return a;
+}
+inline void lanes_store(float* p, Lanes a) { std::memcpy(p, a.v, sizeof(a.v)); }
+inline Lanes lanes_halves(const uint8_t* p) {
+  Lanes l;
+  for (int j = 0; j < GROUP; j++) l.v[j] = half(p + 2 * j);
+  return l;
+}
+inline Lanes lanes_int8s(const uint8_t* p) {
+  Lanes l;
+  for (int j = 0; j < GROUP; j++) l.v[j] = static_cast<float>(static_cast<int8_t>(p[j]));
+  return l;
+}
+inline void lanes_nibbles(const uint8_t* p, Lanes& low, Lanes& high) {
+  for (int j = 0; j < GROUP; j++) {
+    low.v[j] = static_cast<float>(p[j] & 0x0F);
+    high.v[j] = static_cast<float>(p[j] >> 4);
+  }
+}
+#endif
+
+template <int64_t KIND>
+constexpr int64_t block_bytes = KIND == Q4_1 ? 20 : KIND == Q8_0 ? 34 : 18;
+// Units ahead of its reading a tile asks for its bytes (group_tile): with 4, 8 and 16 the
+// products of 1 and 8 rows of x by a Q4_1 W read from memory ran at 0.93-1.05x, 0.98-1.18x and
+// 1.00-1.15x GGUF's rows (1 row), 1.27-1.38x, 1.30-1.37x and 1.23-1.24x (8 rows).
+constexpr int64_t AHEAD = 8;
+
+// A group's block: its scales as lanes (d, and the offset: m for Q4_1, -8 for Q4_0).
+template <int64_t KIND>
+struct GroupBlock {
+  const uint8_t* values;
+  Lanes d, offset;
+  void load(const uint8_t* b) {  // the group's block
+    d = lanes_halves(b);
+    if constexpr (KIND == Q4_1) offset = lanes_halves(b + 2 * GROUP);
+    if constexpr (KIND == Q4_0) offset = lanes_set(-8.0f);
+    values = b + GROUP * head_bytes(KIND);
+  }
+  // Elements p and p + 16 (Q4), exactly gguf's values: q d is exact in float32, so Q4_1's one
+  // FMA rounds as gguf's product-then-sum does.
+  void pair(int p, Lanes& w0, Lanes& w1) const {
+    Lanes low, high;
+    lanes_nibbles(values + p * GROUP, low, high);
+    if constexpr (KIND == Q4_0) {  // (q - 8) d: a zero keeps d's sign, as gguf's
+      w0 = lanes_mul(lanes_add(low, offset), d);
+      w1 = lanes_mul(lanes_add(high, offset), d);
+    } else {
+      w0 = lanes_fma(low, d, offset);
+      w1 = lanes_fma(high, d, offset);
+    }
+  }
+  Lanes element(int e) const { return lanes_mul(lanes_int8s(values + e * GROUP), d); }  // Q8_0
+};
+
+// acc[r][g] = x[r] . (G groups of a set from ``w``: unit u of group g at w + u unit_stride +
+// g GROUP block_bytes), R rows of x ldx apart: one FMA chain per accumulator lane, in the order
+// the header states.
+template <int64_t KIND, int R, int G>
+inline void group_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t unit_stride,
+                       int64_t units, Lanes (&acc)[R][G]) {
+  for (int r = 0; r < R; r++)
+    for (int g = 0; g < G; g++) acc[r][g] = lanes_zero();
+  for (int64_t u = 0; u < units; u++) {
+    GroupBlock<KIND> blocks[G];
+    const uint8_t* unit = w + u * unit_stride;
+    // The tile's bytes AHEAD units on, asked for now: with fewer than a set's 4 groups the
+    // tile reads a slice of each unit's bytes, a pattern the CPU's prefetchers do not follow.
+    for (int64_t line = 0; line < G * GROUP * block_bytes<KIND>; line += 64)
+      __builtin_prefetch(unit + AHEAD * unit_stride + line, 0, 3);
+    for (int g = 0; g < G; g++) blocks[g].load(unit + g * GROUP * block_bytes<KIND>);
+    const float* xu = x + u * UNIT;
+    if constexpr (KIND == Q8_0) {
+      for (int e = 0; e < UNIT; e++) {
+        Lanes wv[G];
+        for (int g = 0; g < G; g++) wv[g] = blocks[g].element(e);
+        for (int r = 0; r < R; r++) {
+          const Lanes xe = lanes_set(xu[r * ldx + e]);
+          for (int g = 0; g < G; g++) acc[r][g] = lanes_fma(xe, wv[g], acc[r][g]);
+        }
+      }
+    } else {
+      for (int p = 0; p < UNIT / 2; p++) {
+        Lanes w0[G], w1[G];
+        for (int g = 0; g < G; g++) blocks[g].pair(p, w0[g], w1[g]);
+        for (int r = 0; r < R; r++) {
+          const Lanes xe = lanes_set(xu[r * ldx + p]);
+          for (int g = 0; g < G; g++) acc[r][g] = lanes_fma(xe, w0[g], acc[r][g]);
+        }
+        for (int r = 0; r < R; r++) {
+          const Lanes xe = lanes_set(xu[r * ldx + p + UNIT / 2]);
+          for (int g = 0; g < G; g++) acc[r][g] = lanes_fma(xe, w1[g], acc[r][g]);
+        }
+      }
+    }
+  }
+}
+
+// out[r, c] = x[r] . W[c] for the m rows of x (k values each, contiguous) and rows c in
+// [c0, c1) of an interleaved W (n rows, n a multiple of GROUP), out rows ldo apart. The groups
+// covering [c0, c1) are multiplied whole and only the rows in range written. x's rows go 8, 4, 2
+// and 1 at a time, against 1, 2, 2 and 4 groups of a set (8 to 12 accumulators: enough chains
+// in flight for the FMAs' latency, few enough for the 16 registers); W goes by blocks of about
+// 128 KiB of whole sets, each used by every set of x's rows while it is in the L2 cache.
+template <int64_t KIND>
+void interleaved_range(const float* x, int64_t m, const uint8_t* w, int64_t n, int64_t row_bytes,
+                       int64_t k, int64_t c0, int64_t c1, float* out, int64_t ldo) {
+  const int64_t units = k / UNIT, groups = n / GROUP;
+  const int64_t g0 = c0 / GROUP, g1 = std::min(groups, (c1 + GROUP - 1) / GROUP);
+  const int64_t block = SET * std::max<int64_t>(1, (128 * 1024) / (SET * GROUP * row_bytes));
+  auto tile = [&](auto rows, auto width, int64_t r, int64_t g) {
+    constexpr int R = decltype(rows)::value, G = decltype(width)::value;
+    const GroupAt at = group_at(g, groups, row_bytes, block_bytes<KIND>);
+    Lanes acc[R][G];
+    group_tile<KIND, R, G>(x + r * k, k, w + at.offset, at.unit_stride, units, acc);
+    for (int i = 0; i < R; i++) {
+      for (int j = 0; j < G; j++) {
+        const int64_t c = (g + j) * GROUP;
+        float* o = out + (r + i) * ldo;
+        if (c >= c0 && c + GROUP <= c1) {
+          lanes_store(o + c, acc[i][j]);
+        } else {
+          float lanes[GROUP];
+          lanes_store(lanes, acc[i][j]);
+          for (int64_t l = std::max<int64_t>(c, c0); l < std::min<int64_t>(c + GROUP, c1); l++)
+            o[l] = lanes[l - c];
+        }
+      }
+    }
+  };
+  // Groups [b0, b1) against R rows of x from r: G groups at a time where a set has them.
+  auto rows = [&](auto R, auto G, int64_t r, int64_t b0, int64_t b1) {
+    constexpr int64_t width = decltype(G)::value;
+    for (int64_t g = b0; g < b1;) {
+      const int64_t in_set = std::min(SET, groups - g / SET * SET), j = g % SET;
+      if (width == SET && j == 0 && in_set == SET && g + SET <= b1) {
+        tile(R, G, r, g), g += SET;
+      } else if (width >= 2 && j % 2 == 0 && j + 2 <= in_set && g + 2 <= b1) {
+        tile(R, std::integral_constant<int, 2>{}, r, g), g += 2;
+      } else {
+        tile(R, std::integral_constant<int, 1>{}, r, g), g += 1;
+      }
+    }
+  };
+  for (int64_t b0 = g0; b0 < g1; b0 = (b0 / block + 1) * block) {
+    const int64_t b1 = std::min(g1, (b0 / block + 1) * block);
+    int64_t r = 0;
+    for (; r + 8 <= m; r += 8)
+      rows(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{}, r, b0, b1);
+    for (; r + 4 <= m; r += 4)
+      rows(std::integral_constant<int, 4>{}, std::integral_constant<int, 2>{}, r, b0, b1);
+    for (; r + 2 <= m; r += 2)
+      rows(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{}, r, b0, b1);
+    for (; r < m; r++)
+      rows(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{}, r, b0, b1);
+  }
+}
+
+// Group g's 8 rows de-quantised into out (rows ldo apart, k values each): the values
+// dequantize gives the rows in GGUF's layout, bit for bit.
+template <int64_t KIND>
+void dequantize_group(const uint8_t* w, int64_t n, int64_t row_bytes, int64_t g, int64_t k,
+                      float* out, int64_t ldo) {
+  const GroupAt at = group_at(g, n / GROUP, row_bytes, block_bytes<KIND>);
+  float lanes[2][GROUP];
+  for (int64_t u = 0; u < k / UNIT; u++) {
+    GroupBlock<KIND> b;
+    b.load(w + at.offset + u * at.unit_stride);
+    auto put = [&](int64_t e, int s) {
+      for (int64_t j = 0; j < GROUP; j++) out[j * ldo + u * UNIT + e] = lanes[s][j];
+    };
+    if constexpr (KIND == Q8_0) {
+      for (int e = 0; e < UNIT; e++) {
+        lanes_store(lanes[0], b.element(e));
+        put(e, 0);
+      }
+    } else {
+      for (int p = 0; p < UNIT / 2; p++) {
+        Lanes w0, w1;
+        b.pair(p, w0, w1);
+        lanes_store(lanes[0], w0);
+        lanes_store(lanes[1], w1);
+        put(p, 0);
+        put(p + UNIT / 2, 1);
+      }
+    }
+  }
+}
+
+// Calls f(std::integral_constant<int64_t, KIND>{}) for the base kind of an interleaved kind.
+template <typename F>
+void with_interleaved_kind(int64_t kind, F&& f) {
+  switch (kind & ~INTERLEAVED) {
+    case Q4_0: return f(std::integral_constant<int64_t, Q4_0>{});
+    case Q4_1: return f(std::integral_constant<int64_t, Q4_1>{});
+    case Q8_0: return f(std::integral_constant<int64_t, Q8_0>{});
+  }
+}
+
+// The tile path (more rows of x than STEP_ROWS) over an interleaved W: whole groups
+// de-quantised into the tile (its rows begin at multiples of 16, and n is a multiple of 8).
+template <int64_t KIND>
+void interleaved_tiles(const float* x, int64_t m, const uint8_t* w, int64_t row_bytes, int64_t n,
+                       int64_t k, float* out, int64_t ldo) {
+  matmul_tiles_of(x, m, n, k, out, ldo, [&](int64_t c0, int64_t c1, float* tile) {
+    for (int64_t c = c0; c < c1; c += GROUP)
+      dequantize_group<KIND>(w, n, row_bytes, c / GROUP, k, tile + (c - c0) * k, k);
+  });
+}
+
+// Products of either layout over rows [c0, c1): interleaved kinds here, GGUF's by matvec_range.
+inline void rows_range(int64_t kind, const float* x, int64_t m, const float* xsum,
+                       const uint8_t* w, int64_t n, int64_t row_bytes, int64_t k, int64_t c0,
+                       int64_t c1, float* out, int64_t ldo) {
+  if (kind & INTERLEAVED) {
+    with_interleaved_kind(kind, [&](auto kc) {
+      interleaved_range<decltype(kc)::value>(x, m, w, n, row_bytes, k, c0, c1, out, ldo);
+    });
+  } else {
+    matvec_range(kind, x, m, xsum, w, row_bytes, k, c0, c1, out, ldo);
+  }
+}
+
+
+// The tile path of either layout.
+inline void tiles(int64_t kind, const float* x, int64_t m, const uint8_t* w, int64_t row_bytes,
+                  int64_t n, int64_t k, float* out, int64_t ldo) {
+  if (kind & INTERLEAVED) {
+    with_interleaved_kind(kind, [&](auto kc) {
+      interleaved_tiles<decltype(kc)::value>(x, m, w, row_bytes, n, k, out, ldo);
+    });
+  } else {
+    with_kind(kind, [&](auto kc) {
+      matmul_tiles<decltype(kc)::value>(x, m, w, row_bytes, n, k, out, ldo);
+    });
+  }
+}
+
+}  // namespace attnkit_fused::quant
