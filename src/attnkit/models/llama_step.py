@@ -16,7 +16,9 @@ the readable path), in float32 with the exact de-quantised weights::
 
 The model's weights are packed once (lists of the blocks' uint8 buffers and norm weights, the
 RoPE tables for the caches' room), keyed by the identity of its modules, so a step passes
-lists it already holds. The caches are the model's ``KVCache`` objects: the kernel writes the new
+lists it already holds. Where the build prefers it (AVX2 without AVX-512), Q4_0, Q4_1 and Q8_0
+buffers are packed as copies with their rows interleaved by 8, made again when a buffer is
+written in place. The caches are the model's ``KVCache`` objects: the kernel writes the new
 keys and values into their preallocated storage and ``step`` advances their lengths.
 
 ``why_not`` says, in a sentence, why a call takes the module path instead: weights not kept
