@@ -131,6 +131,18 @@ def test_the_bundled_smollm2_equals_the_module_loop(quant_kernel, bundled_gguf) 
     assert _run(model, prompts, cut=5, steps=10, size=16) <= 5e-4
 
 
+def test_an_engine_packs_the_weights_for_the_step_when_it_is_made(quant_kernel) -> None:
+    """The first request does not wait for the packing (on AVX2 it copies the matrices)."""
+    from attnkit.serve.engine import Engine
+
+    model = random_quantised(SMALL, seed=8)
+    assert getattr(model, "_llama_step", None) is None
+    Engine(model, num_blocks=8, block_size=4, threads=1)
+    packed = model._llama_step
+    assert packed.why is None and packed.weights
+    assert any(k >= 256 for k in packed.kinds) == quant_kernel.interleaves()
+
+
 def test_the_module_loop_runs_where_the_step_cannot(quant_kernel, monkeypatch) -> None:
     model = random_quantised(SMALL, seed=0)
     pool = _pool(model)
