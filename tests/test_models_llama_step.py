@@ -174,6 +174,15 @@ def test_weights_changed_in_place_are_seen_before_the_next_step(quant_kernel, mo
     assert _steps(model, prompt, 3, monkeypatch) <= 1e-4
 
 
+def test_a_model_made_under_inference_mode_takes_the_step(quant_kernel, monkeypatch) -> None:
+    """Its weights keep no count of in-place writes; packing them still works."""
+    with torch.inference_mode():
+        model = random_quantised(SMALL, seed=6)
+    assert model.blocks[0].ffn.up.raw.is_inference()
+    with torch.inference_mode():
+        assert _steps(model, torch.tensor([[5, 7, 11]]), 3, monkeypatch) <= 1e-4
+
+
 def test_the_step_multiplies_rows_in_the_layout_its_build_prefers(quant_kernel) -> None:
     """AVX2 without AVX-512 (``interleaves``): Q4_0, Q4_1 and Q8_0 matrices whose rows come
     in eights go to the step with their rows interleaved (kind 256 + the GGUF type), others as

@@ -111,14 +111,21 @@ class _Layout:
 
     def __init__(self) -> None:
         kernel = jit.loaded()
-        self.kernel = kernel if kernel is not None and kernel.interleaves() else None
+        interleaves = getattr(kernel, "interleaves", None)
+        self.kernel = kernel if interleaves is not None and interleaves() else None
         self.sources: list[tuple[Tensor, int]] = []
 
     def __call__(self, raw: Tensor, kind: int) -> tuple[Tensor, int]:
         if self.kernel is None or kind not in _INTERLEAVABLE or raw.shape[0] % 8:
             return raw, kind
-        self.sources.append((raw, raw._version))
+        self.sources.append((raw, _version(raw)))
         return self.kernel.interleave(raw, kind), kind + _INTERLEAVED
+
+
+def _version(t: Tensor) -> int:
+    """How many times ``t`` was written in place; -1 for a tensor made under inference mode,
+    which keeps no count (its copy is not made again after such a write)."""
+    return -1 if t.is_inference() else t._version
 
 
 def _pack(model: Any, modules: tuple[int, ...]) -> _Packed:
@@ -184,7 +191,7 @@ def _packed(model: Any) -> _Packed:
     if (
         packed is None
         or packed.modules != modules
-        or any(raw._version != version for raw, version in packed.sources)
+        or any(_version(raw) != version for raw, version in packed.sources)
     ):
         packed = _pack(model, modules)
         model._llama_step = packed  # a plain attribute: not state, never saved
