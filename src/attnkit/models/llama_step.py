@@ -134,8 +134,7 @@ def _pack(model: Any, modules: tuple[int, ...]) -> _Packed:
         return _Packed(modules, "the model's weights are not kept quantised (float32 weights)")
     if model.norm.weight.dtype != torch.float32:
         return _Packed(modules, f"the norms are {model.norm.weight.dtype}, not float32")
-    weights, kinds, parts, norms = [], [], [], []
-    layout = _Layout()
+    linears, parts, norms = [], [], []
     for n, block in enumerate(model.blocks):
         a = block.attn
         if a.backend not in ("auto", "fused"):
@@ -147,17 +146,16 @@ def _pack(model: Any, modules: tuple[int, ...]) -> _Packed:
             found = _parts(linear)
             if found is None:
                 return _Packed(modules, f"layer {n} has a projection that is not quantised")
-            for w, kind in (layout(p.raw, p.kind) for p in found):
-                weights.append(w)
-                kinds.append(kind)
+            linears += found
             parts.append(len(found))
     out = [model.embed] if model.lm_head is None else _parts(model.lm_head)
     if out is None:
         return _Packed(modules, "the output projection is not quantised")
-    for w, kind in (layout(p.raw, p.kind) for p in out):
-        weights.append(w)
-        kinds.append(kind)
+    linears += out
     parts.append(len(out))
+    layout = _Layout()
+    packed = [layout(p.raw, p.kind) for p in linears]
+    weights, kinds = [w for w, _ in packed], [kind for _, kind in packed]
     norms.append(model.norm.weight.detach())
     sizes = {
         "e": c.embed_dim,

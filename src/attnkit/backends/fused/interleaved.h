@@ -26,8 +26,9 @@
 // row of x. Each output (row r of x, row c of W) is one chain of FMAs over its k values, in the
 // same order (block by block; within a block elements p, p + 16 for p = 0 .. 15) however many
 // rows of x or groups of W a call takes at once: a row's result is the same bits alone and in a
-// batch. With 8 rows of x it ran at 32 GMAC/s per core (1.5-1.6x the row-at-a-time kernel) and
-// with 1 row 1.1-1.2x.
+// batch. On one core of a Zen 3 class CPU, a product with 8 rows of x ran at 1.2-1.4x the
+// row-at-a-time kernel (21-30 GMAC/s, as the other core's load varied), with 1 row at
+// 1.0-1.2x.
 //
 // Without AVX2 the same arithmetic runs on 8 floats with std::fma: the same bits, slowly (a
 // build that prefers GGUF's layout only meets this one in tests).
@@ -43,6 +44,13 @@ constexpr int64_t INTERLEAVED = 256;  // a kind's flag: its rows interleaved by 
 constexpr int64_t GROUP = 8;
 
 constexpr bool interleavable(int64_t kind) { return kind == Q4_0 || kind == Q4_1 || kind == Q8_0; }
+
+// The block format of a kind the products take: a GGUF type, or INTERLEAVED + Q4_0, Q4_1 or
+// Q8_0 (rows interleaved by GROUP); nullptr for any other.
+inline const Format* layout_format(int64_t kind) {
+  if (kind < 0 || !(kind & INTERLEAVED)) return format(kind);
+  return interleavable(kind & ~INTERLEAVED) ? format(kind & ~INTERLEAVED) : nullptr;
+}
 
 // Whether this build's decoding step is faster with interleaved rows (attnkit.models.llama_step
 // asks once, through the binding ``interleaves``): with AVX-512 the row kernels' 16-value table
@@ -108,7 +116,8 @@ inline Lanes lanes_halves(const uint8_t* p) {  // 8 float16
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline Lanes lanes_int8s(const uint8_t* p) {  // 8 int8
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
 }
 inline void lanes_nibbles(const uint8_t* p, Lanes& low, Lanes& high) {  // 8 bytes' nibbles
   const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -156,8 +165,6 @@ inline void lanes_nibbles(const uint8_t* p, Lanes& low, Lanes& high) {
 }
 #endif
 
-template <int64_t KIND>
-constexpr int64_t block_bytes = KIND == Q4_1 ? 20 : KIND == Q8_0 ? 34 : 18;
 // Units ahead of its reading a tile asks for its bytes (group_tile): with 4, 8 and 16 the
 // products of 1 and 8 rows of x by a Q4_1 W read from memory ran at 0.93-1.05x, 0.98-1.18x and
 // 1.00-1.15x GGUF's rows (1 row), 1.27-1.38x, 1.30-1.37x and 1.23-1.24x (8 rows).
@@ -357,7 +364,6 @@ inline void rows_range(int64_t kind, const float* x, int64_t m, const float* xsu
     matvec_range(kind, x, m, xsum, w, row_bytes, k, c0, c1, out, ldo);
   }
 }
-
 
 // The tile path of either layout.
 inline void tiles(int64_t kind, const float* x, int64_t m, const uint8_t* w, int64_t row_bytes,

@@ -51,10 +51,11 @@ namespace {
 
 using namespace quant;
 
-// Rows of x up to which qmatmul takes the row kernels: with AVX-512 the Q4 table kernels
-// outrun de-quantising a tile for torch's matmul up to STEP_ROWS (as in the step); elsewhere
-// the tile path from MATVEC_ROWS.
+// Rows of x up to which qmatmul takes the row kernels: with interleaved rows, and with AVX-512
+// the Q4 table kernels, they outrun de-quantising a tile for torch's matmul up to STEP_ROWS (as
+// in the step); elsewhere the tile path from MATVEC_ROWS.
 inline int64_t row_path_rows(int64_t kind) {
+  if (kind & INTERLEAVED) return STEP_ROWS;  // as in the step
 #if defined(CPU_CAPABILITY_AVX512)
   if (kind == Q4_0 || kind == Q4_1) return STEP_ROWS;
 #endif
@@ -87,10 +88,8 @@ std::string shape(const Tensor& t) {
 // The block format of kind: a GGUF type, or (where grouped_ok) INTERLEAVED + Q4_0, Q4_1 or
 // Q8_0 for rows interleaved by GROUP (interleaved.h).
 const Format& checked_format(const char* fn, int64_t kind, bool grouped_ok = false) {
-  const bool grouped = kind >= 0 && (kind & INTERLEAVED) != 0;
-  const Format* f = format(grouped ? kind & ~INTERLEAVED : kind);
-  TORCH_CHECK(f != nullptr && (!grouped || (grouped_ok && interleavable(kind & ~INTERLEAVED))),
-              fn, ": kind = ", kind,
+  const Format* f = grouped_ok ? layout_format(kind) : format(kind);
+  TORCH_CHECK(f != nullptr, fn, ": kind = ", kind,
               " is not a supported GGUF type (expected one of F32 = 0, F16 = 1, Q4_0 = 2, "
               "Q4_1 = 3, Q8_0 = 8, Q6_K = 14, BF16 = 30",
               grouped_ok ? "; or 256 + Q4_0, Q4_1 or Q8_0 for rows interleaved by 8)" : ")");
@@ -184,7 +183,7 @@ void qmatmul(const Tensor& x, const Tensor& w, int64_t kind, const Tensor& out) 
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  if (m <= ((kind & INTERLEAVED) ? STEP_ROWS : row_path_rows(kind))) {
+  if (m <= row_path_rows(kind)) {
     qmatmul_rows(kind, xp, m, wp, w.size(1), n, k, op);
     return;
   }

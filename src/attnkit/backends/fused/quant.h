@@ -365,6 +365,10 @@ inline Unit unit(const uint8_t* row, int64_t u) {
   if constexpr (KIND == BF16) return bfloats(row + u * UNIT * 2);
 }
 
+// Bytes of one block of Q4_0, Q4_1 or Q8_0, for the kernels that read them as constants.
+template <int64_t KIND>
+constexpr int64_t block_bytes = KIND == Q4_1 ? 20 : KIND == Q8_0 ? 34 : 18;
+
 // Calls f(std::integral_constant<int64_t, KIND>{}) for a runtime kind (checked before).
 template <typename F>
 void with_kind(int64_t kind, F&& f) {
@@ -422,7 +426,7 @@ template <int64_t KIND, int R>
 void matvec_exact(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t k,
                   int64_t c0, int64_t c1, float* out, int64_t ldo) {
   const int64_t units = k / UNIT;
-  constexpr int64_t bytes = KIND == Q4_1 ? 20 : KIND == Q8_0 ? 34 : 18;
+  constexpr int64_t bytes = block_bytes<KIND>;
   constexpr int64_t at = KIND == Q4_1 ? 4 : 2;  // where q begins
   const __m512 levels = KIND == Q4_1
       ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
@@ -537,7 +541,7 @@ void matvec(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, in
     return;
   }
 #endif
-  const int64_t units = k / UNIT, block_bytes = format(KIND)->bytes;
+  const int64_t units = k / UNIT, bytes = format(KIND)->bytes;
   for (int64_t c = c0; c < c1; c++) {
     const uint8_t* row = w + c * row_bytes;
     V acc[R][NV];
@@ -547,7 +551,7 @@ void matvec(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, in
     // acc[r][slot] += x_r . unit u; blocks alternate between two slots (two FMA chains).
     auto add_unit = [&](int64_t u, int slot) {
       if constexpr (block_dot<KIND>) {
-        const uint8_t* b = row + u * block_bytes;
+        const uint8_t* b = row + u * bytes;
         const Unit q = KIND == Q8_0 ? int8s(b + 2) : KIND == Q4_0 ? nibbles(b + 2, 8)
                                                                   : nibbles(b + 4, 0);
         const V d = vset(half(b));
@@ -698,7 +702,9 @@ template <int64_t KIND>
 void matmul_tiles(const float* x, int64_t m, const uint8_t* w, int64_t row_bytes, int64_t n,
                   int64_t k, float* out, int64_t ldo) {
   matmul_tiles_of(x, m, n, k, out, ldo, [&](int64_t c0, int64_t c1, float* tile) {
-    for (int64_t c = c0; c < c1; c++) dequantize_row<KIND>(w + c * row_bytes, k, tile + (c - c0) * k);
+    for (int64_t c = c0; c < c1; c++) {
+      dequantize_row<KIND>(w + c * row_bytes, k, tile + (c - c0) * k);
+    }
   });
 }
 

@@ -229,11 +229,11 @@ std::vector<Matrix> matrices(const char* fn, const std::vector<Tensor>& weights,
     int64_t first = 0;
     for (int64_t p = 0; p < parts[x]; p++, w++) {
       const Tensor& t = weights[w];
-      const bool grouped = (kinds[w] & INTERLEAVED) != 0;
-      const Format* f = format(kinds[w] & ~INTERLEAVED);
-      TORCH_CHECK(f != nullptr && (!grouped || interleavable(kinds[w] & ~INTERLEAVED)), fn,
-                  ": kinds[", w, "] = ", kinds[w], " is not a supported GGUF type (or ",
-                  INTERLEAVED, " + Q4_0, Q4_1 or Q8_0 for rows interleaved by ", GROUP, ")");
+      const bool grouped = kinds[w] >= 0 && (kinds[w] & INTERLEAVED);
+      const Format* f = layout_format(kinds[w]);
+      TORCH_CHECK(f != nullptr, fn, ": kinds[", w, "] = ", kinds[w],
+                  " is not a supported GGUF type (or ", INTERLEAVED,
+                  " + Q4_0, Q4_1 or Q8_0 for rows interleaved by ", GROUP, ")");
       TORCH_CHECK(!grouped || t.size(0) % GROUP == 0, fn, ": weights[", w, "] of shape ",
                   shape(t), " is interleaved by ", GROUP, " rows but has ", t.size(0),
                   " rows, not a multiple of ", GROUP);
