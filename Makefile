@@ -50,7 +50,8 @@ test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	# The layer contracts in pyproject.toml ([tool.importlinter]).
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q
+	# Two workers, a test file's tests on one of them (its module fixtures are built once).
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict
