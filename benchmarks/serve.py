@@ -463,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="threads of each server (2)")
     parser.add_argument("--kv-blocks", type=int, default=1024, help="attnkit's KV blocks (1,024)")
     parser.add_argument(
-        "--kv-dtype", default="float32", help="attnkit's KV cache: float32 (default) or bfloat16"
+        "--kv-dtype",
+        default="float32",
+        help="attnkit's KV cache: float32 (default), float16 or bfloat16",
     )
     parser.add_argument("--port", type=int, default=8317, help="attnkit's port; llama.cpp +1")
     parser.add_argument("--no-llama-cpp", action="store_true", help="attnkit only")

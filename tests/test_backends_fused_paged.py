@@ -1,9 +1,9 @@
 """The paged attention kernel (``attnkit.backends.fused.paged``): against a dense float64
 reference (its error at most twice that of the plain torch path, ``attnkit.serve.paged``, in
 float32) for ragged batches of decode rows and prefill chunks read through scattered block
-tables, float32 and bfloat16 pools, keys past a sequence's length never read, the chunk merge on
-two threads, every thread busy for one long sequence, argument checks that name the shapes, and
-the server's greedy tokens unchanged when its steps take the kernel.
+tables, float32, bfloat16 and float16 pools, keys past a sequence's length never read, the chunk
+merge on two threads, every thread busy for one long sequence, argument checks that name the
+shapes, and the server's greedy tokens unchanged when its steps take the kernel.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _check_against_references(args, **kw):
     assert err <= 2 * limit + 1e-6, (err, limit)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("s", [1, 16, 24, 32])
 @pytest.mark.parametrize(("h", "h_kv"), [(9, 3), (4, 1), (8, 8)])
 def test_ragged_batches_equal_the_float64_reference(kernel, h, h_kv, s, dtype) -> None:
@@ -126,7 +126,7 @@ def test_the_plain_reference_and_a_scale(kernel) -> None:
     assert torch.equal(narrow, got)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_long_sequences_split_into_chunks_and_merge(kernel, dtype) -> None:
     """On two threads, keys longer than a chunk are split and the chunks' states merged, for
     decode rows and for a prefill chunk after a long prefix (several query blocks)."""
@@ -175,8 +175,10 @@ def test_bad_arguments_are_named(kernel) -> None:
         paged_attention(q, kp, vp, bad, lengths, qls)
     with pytest.raises(jit.NotBuilt, match="float32 queries"):
         paged_attention(q.double(), kp, vp, tables, lengths, qls)
-    with pytest.raises(jit.NotBuilt, match="float32 or bfloat16 pools"):
-        paged_attention(q, kp.half(), vp.half(), tables, lengths, qls)
+    with pytest.raises(jit.NotBuilt, match="float32, bfloat16 or float16 pools"):
+        paged_attention(q, kp.double(), vp.double(), tables, lengths, qls)
+    with pytest.raises(jit.NotBuilt, match="float32, bfloat16 or float16 pools"):
+        paged_attention(q, kp.half(), vp.bfloat16(), tables, lengths, qls)
     assert why_not(q, kp, vp) is None
 
 

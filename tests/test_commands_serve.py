@@ -38,7 +38,7 @@ def test_the_default_address_is_localhost() -> None:
         (["--max-batch", "32", "--chunk-tokens", "16"], "--chunk-tokens"),
         (["--max-waiting", "-1"], "--max-waiting"),
         (["--model", "no/such/model.gguf"], "does not exist"),
-        (["--kv-dtype", "float16"], "--kv-dtype"),
+        (["--kv-dtype", "float64"], "--kv-dtype"),
     ],
 )
 def test_bad_arguments_are_one_line_before_the_model_loads(capsys, monkeypatch, argv, message):
@@ -203,7 +203,12 @@ def test_the_engine_gets_the_threads_and_this_thread_stays_at_one(monkeypatch, f
 
 
 @pytest.mark.parametrize(
-    ("flag", "want"), [(["--kv-dtype", "bfloat16"], "bfloat16"), ([], "float32")]
+    ("flag", "want"),
+    [
+        (["--kv-dtype", "bfloat16"], "bfloat16"),
+        (["--kv-dtype", "float32"], "float32"),
+        ([], "float16"),
+    ],
 )
 def test_the_kv_dtype_reaches_the_pool(monkeypatch, flag, want) -> None:
     import torch

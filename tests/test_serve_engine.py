@@ -204,24 +204,27 @@ def test_the_engines_thread_computes_with_its_own_thread_count(one_thread) -> No
         Engine(tiny_model(), threads=0)
 
 
-def test_a_bfloat16_pool_keeps_batched_equal_to_alone() -> None:
-    """``kv_dtype=torch.bfloat16`` stores the cache in half the bytes; a request still gets the
-    same tokens alone or among others (each key is rounded once, whatever the batch)."""
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_a_16_bit_pool_keeps_batched_equal_to_alone(name) -> None:
+    """``kv_dtype=torch.bfloat16`` or ``torch.float16`` stores the cache in half the bytes; a
+    request still gets the same tokens alone or among others (each key is rounded once,
+    whatever the batch)."""
     import torch
 
+    dtype = getattr(torch, name)
     model = tiny_model()
     prompts = prompts_of(LENGTHS[::2], seed=4)
-    kw = {"block_size": 4, "kv_dtype": torch.bfloat16}
+    kw = {"block_size": 4, "kv_dtype": dtype}
     expected = [alone(model, p, 6, **kw) for p in prompts]
     engine = Engine(model, num_blocks=64, max_batch=8, chunk_tokens=16, **kw)
-    assert {t.dtype for t in engine.pool.keys + engine.pool.values} == {torch.bfloat16}
+    assert {t.dtype for t in engine.pool.keys + engine.pool.values} == {dtype}
     gens = [engine.submit(p, 6) for p in prompts]
     engine.run_until_idle()
     assert [g.result(0)[0] for g in gens] == expected
     whole(engine)
     assert Engine(model).pool.keys[0].dtype == torch.float32  # the model's dtype by default
-    with pytest.raises(ValueError, match=r"kv_dtype must be torch\.float32 or torch\.bfloat16"):
-        Engine(model, kv_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"kv_dtype must be torch\.float32, torch\.bfloat16 or"):
+        Engine(model, kv_dtype=torch.float64)
 
 
 def test_batched_equals_alone_with_smollm2(bundled) -> None:

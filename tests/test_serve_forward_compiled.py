@@ -38,7 +38,10 @@ def _pool(model, dtype=torch.float32, blocks: int = 96, size: int = 8) -> BlockP
     )
 
 
-def _run(model, prompts, cut: int, steps: int, dtype=torch.float32, size: int = 8, effect=None):
+def _run(
+    model, prompts, cut: int, steps: int, dtype=torch.float32, size: int = 8, effect=None,
+    pools: bool = True,
+):  # fmt: skip
     """Prefill the prompts in two chunks (``cut`` tokens, then the rest), then decode ``steps``
     greedy tokens for all of them: compiled into one pool, the module loop (reference
     attention) into another with the same tables. Every step's logits and, at the end, the
@@ -77,7 +80,12 @@ def _run(model, prompts, cut: int, steps: int, dtype=torch.float32, size: int = 
             plan[n] = 0
             if done[n] == len(tokens[n]) and len(tokens[n]) < len(prompts[n]) + steps:
                 tokens[n].append(int(want[row].argmax()))
-    rtol = 1e-4 if dtype == torch.float32 else 2**-7  # bfloat16: one step at a boundary
+    # A 16-bit pool: a step at a rounding boundary (2^-8 relative for bfloat16, 2^-11 for
+    # float16). In a deep model the layers after such a step see other inputs, and their keys
+    # drift further apart: ``pools=False`` leaves the pools unchecked.
+    if not pools:
+        return worst
+    rtol = 1e-4 if dtype == torch.float32 else 2**-7
     for a, r in zip(
         compiled.keys + compiled.values, reference.keys + reference.values, strict=True
     ):
@@ -85,17 +93,18 @@ def _run(model, prompts, cut: int, steps: int, dtype=torch.float32, size: int = 
     return worst
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_ragged_prefill_chunks_and_decoding_equal_the_module_loop(quant_kernel, dtype) -> None:
     model = random_quantised(SMALL, seed=1)
     rng = random.Random(2)
     prompts = [[rng.randrange(SMALL.vocab_size) for _ in range(n)] for n in (1, 7, 13, 29, 40, 3)]
     # First step: 1 + 7 + 13 + 13 + 13 + 3 rows; then ragged rests; then six sequences
     # decoding together. The two paths sum the products in different orders (the module loop
-    # multiplies chunks of more than 8 tokens by gemm); in a bfloat16 pool a key or value on a
-    # rounding boundary then lands one bfloat16 step (2^-8 relative) apart. Those steps move
-    # the logits far less than storing every key and value in bfloat16 does (the reference's
-    # own difference from a float32 pool, about 0.15 here): the bound is a tenth of that.
+    # multiplies chunks of more than 8 tokens by gemm); in a 16-bit pool a key or value on a
+    # rounding boundary then lands one step (2^-8 relative in bfloat16, 2^-11 in float16)
+    # apart. Those steps move the logits far less than storing every key and value in 16 bits
+    # does (the reference's own difference from a float32 pool, about 0.15 here in bfloat16):
+    # the bound is a tenth of that.
     effect: list[float] = []
     worst = _run(model, prompts, cut=13, steps=12, dtype=dtype, effect=effect)
     bound = 1e-4 if dtype == torch.float32 else effect[-1] / 10
@@ -129,6 +138,23 @@ def test_the_bundled_smollm2_equals_the_module_loop(quant_kernel, bundled_gguf) 
     # by the row kernels: another summation order, carried through 30 layers (logits of about
     # 20 in size). The bound against the float32 model is 1e-3.
     assert _run(model, prompts, cut=5, steps=10, size=16) <= 5e-4
+
+
+def test_a_float16_pool_moves_the_bundled_models_logits_far_less_than_bfloat16(
+    quant_kernel, bundled_gguf
+) -> None:
+    """The server's default cache (float16) against bfloat16: each one's difference from a
+    float32 pool in the module loop's logits, along the same greedy tokens (docs/serve.md)."""
+    model = bundled_gguf.model
+    prompts = [bundled_gguf.encode(t) for t in ("Once upon a time", "def fibonacci(n):")]
+    effects = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        effect: list[float] = []
+        worst = _run(model, prompts, 64, 6, dtype, size=16, effect=effect, pools=False)
+        assert worst < 0.05  # the step against the module loop, both in this dtype
+        effects[dtype] = effect[-1]
+    assert 0 < effects[torch.float16] < 0.1
+    assert effects[torch.float16] < effects[torch.bfloat16] / 3, effects
 
 
 def test_an_engine_packs_the_weights_for_the_step_when_it_is_made(quant_kernel) -> None:

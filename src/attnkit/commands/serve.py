@@ -40,9 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="threads of the model's steps")
     p.add_argument(
         "--kv-dtype",
-        default="float32",
-        help="how the KV cache stores keys and values (default float32; bfloat16 holds twice "
-        "the positions in the same memory and reads half as much per step)",
+        default="float16",
+        help="how the KV cache stores keys and values: float16 (default), bfloat16 or float32 "
+        "(twice the memory per position, and twice the bytes a step reads)",
     )
     p.add_argument(
         "--build-kernel",
@@ -89,8 +89,8 @@ def check(args: argparse.Namespace) -> None:
             f"--chunk-tokens ({args.chunk_tokens}) must be at least --max-batch "
             f"({args.max_batch}): each running sequence decodes one token per step"
         )
-    if args.kv_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"--kv-dtype must be float32 or bfloat16, got {args.kv_dtype!r}")
+    if args.kv_dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"--kv-dtype must be float32, float16 or bfloat16, got {args.kv_dtype!r}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.model is not None and not args.model.exists():

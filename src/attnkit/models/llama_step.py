@@ -310,8 +310,8 @@ def why_not_paged(model: Any, key_pools: list[Tensor], value_pools: list[Tensor]
     first = key_pools[0]
     if len(key_pools) != c.num_layers or len(value_pools) != c.num_layers:
         return "the pools do not hold one tensor per layer"
-    if first.device != _CPU or first.dtype not in (torch.float32, torch.bfloat16):
-        return "the pools are not float32 or bfloat16 CPU tensors"
+    if first.device != _CPU or first.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return "the pools are not float32, bfloat16 or float16 CPU tensors"
     if first.dim() != 4 or tuple(first.shape[2:]) != (c.num_kv_heads, c.head_dim):
         return "the pools are not (N, s, h_kv, d) for this model"
     return None

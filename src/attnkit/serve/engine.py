@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from attnkit.backends.fused.decode import KV_DTYPES
+from attnkit.backends.fused.paged import POOL_DTYPES
 from attnkit.models import llama_step
 from attnkit.models.llama import LlamaModel
 from attnkit.models.llama_generate import Sampling
@@ -183,10 +183,11 @@ class Engine:
         chunk_tokens: tokens per step (decoding tokens first, prompt chunks share the rest).
         prefix_caching: share full blocks of equal prefixes between requests.
         eos_id: the end-of-sequence token (``None``: only ``max_tokens`` ends a sequence).
-        kv_dtype: how the pool stores keys and values: ``torch.float32`` or ``torch.bfloat16``
-            (half the memory: twice the positions in the same bytes, and a decoding step over
-            long contexts reads half as much; attention still computes in float32); ``None``:
-            the model's float dtype (float32 for a quantised model).
+        kv_dtype: how the pool stores keys and values: ``torch.float32``, ``torch.float16`` or
+            ``torch.bfloat16`` (the last two: half the memory, so twice the positions in the
+            same bytes, and a decoding step reads half as much; float16 keeps 11 significant
+            bits to bfloat16's 8; attention still computes in float32); ``None``: the model's
+            float dtype (float32 for a quantised model).
         threads: torch's intra-op threads for the steps of ``start``'s thread (``None``: the
             count torch has when the engine is made). A thread's count is its own (OpenMP's);
             the thread that loaded the model should run at one (``torch.set_num_threads(1)``
@@ -210,9 +211,10 @@ class Engine:
         threads: int | None = None,
         kv_dtype: torch.dtype | None = None,
     ) -> None:
-        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        if kv_dtype is not None and kv_dtype not in POOL_DTYPES:
             raise ValueError(
-                f"kv_dtype must be torch.float32 or torch.bfloat16 (or None: the model's), "
+                "kv_dtype must be torch.float32, torch.bfloat16 or torch.float16 (or None: the "
+                f"model's), "
                 f"got {kv_dtype!r}"
             )
         counts = {"max_batch": max_batch, "chunk_tokens": chunk_tokens}

@@ -27,9 +27,9 @@ modules. ``ATTENTION`` is the seam where a paged-attention kernel plugs into the
 any function with ``paged_attention``'s signature (setting it, or passing ``attention``, keeps
 the module loop). While it is the reference, a step takes the compiled attention
 (``attnkit.backends.fused.paged``) instead when the kernel is loaded and can serve the step
-(CPU, float32 queries, float32 or bfloat16 pool); asking costs no file read, and nothing is
-ever compiled on a step. ``use_fused_kernel`` loads the kernel at a server's start: the cached
-build, or a build then when asked to (about a minute, once per machine).
+(CPU, float32 queries, a float32, bfloat16 or float16 pool); asking costs no file read, and
+nothing is ever compiled on a step. ``use_fused_kernel`` loads the kernel at a server's start:
+the cached build, or a build then when asked to (about a minute, once per machine).
 """
 
 from __future__ import annotations

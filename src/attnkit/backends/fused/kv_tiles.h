@@ -1,10 +1,10 @@
 // The pieces of attention over a KV cache that decode.cpp (one query per head over a dense
 // cache) and paged.cpp (several query positions over a paged pool) share: the tile sizes, rows
-// of keys or values read as float32 vectors (bfloat16 widened in registers), how long caches
-// are split into chunks, asking for rows ahead of their use, the scores of a few query rows
-// against a transposed key tile, the weighted sum of value rows (which takes a row's address
-// from a function of its index: a stride in decode.cpp, a block table in paged.cpp), and
-// blocks of rows kept in registers.
+// of keys or values read as float32 vectors (bfloat16 and float16 widened in registers), how
+// long caches are split into chunks, asking for rows ahead of their use, the scores of a few
+// query rows against a transposed key tile, the weighted sum of value rows (which takes a row's
+// address from a function of its index: a stride in decode.cpp, a block table in paged.cpp),
+// and blocks of rows kept in registers.
 #pragma once
 
 #include "fused.h"
@@ -20,6 +20,7 @@ constexpr int64_t HEADS = 4;            // query rows whose sums are kept in reg
 constexpr int64_t SQUARE = 16;          // the transposed blocks of a key tile
 
 static_assert(at::vec::Vectorized<at::BFloat16>::size() == W, "bfloat16 vector = two floats");
+static_assert(at::vec::Vectorized<at::Half>::size() == W, "float16 vector = two floats");
 static_assert(TILE % W == 0 && TILE % SQUARE == 0 && W % SQUARE == 0, "tiles of whole blocks");
 
 // Values [0, W) of a row from p (n of them exist; zero past n) as two float vectors.
@@ -29,10 +30,14 @@ inline std::pair<Vec, Vec> load_pair(const float* p, int64_t n) {
   return {Vec::loadu(p), Vec::loadu(p + Vec::size(), n - Vec::size())};
 }
 
-inline std::pair<Vec, Vec> load_pair(const at::BFloat16* p, int64_t n) {
-  using BVec = at::vec::Vectorized<at::BFloat16>;
-  const BVec x = n >= W ? BVec::loadu(p) : BVec::loadu(p, n);
-  auto [lo, hi] = at::vec::convert_to_float<at::BFloat16>(x);
+// The same from 16-bit rows (bfloat16 or float16), widened in registers.
+template <typename half_t,
+          typename = std::enable_if_t<std::is_same_v<half_t, at::BFloat16> ||
+                                      std::is_same_v<half_t, at::Half>>>
+inline std::pair<Vec, Vec> load_pair(const half_t* p, int64_t n) {
+  using HVec = at::vec::Vectorized<half_t>;
+  const HVec x = n >= W ? HVec::loadu(p) : HVec::loadu(p, n);
+  auto [lo, hi] = at::vec::convert_to_float<half_t>(x);
   return {lo, hi};
 }
 
@@ -91,7 +96,7 @@ inline void scores(const float* q_rows, int64_t d, int64_t d_p, const float* k_t
 }
 
 // acc_r += sum_c p[r][c] v_c for R rows and keys [0, n), value row c at value(c) as stored
-// (bfloat16 widened in registers): each value vector is loaded once for the R rows, whose sums
+// (16-bit rows widened in registers): each value vector is loaded once for the R rows, whose sums
 // stay in registers (two vectors of d per row). A key with keep(c) false is skipped, not
 // weighted by 0: a NaN there must not reach the output (0 * NaN is NaN).
 template <int R, typename Value, typename Keep>

@@ -18,8 +18,8 @@
 // past a block's last query is read (causal alignment bottom-right, as in the reference: query
 // k of i new tokens sees keys [0, length - i + k]). K/V rows are never gathered into a
 // contiguous tensor: a tile's rows are found through the table, transposed (widened to float32)
-// into an L1 buffer for the scores, and value rows are read in place. bfloat16 pools are
-// widened in registers; all arithmetic is float32.
+// into an L1 buffer for the scores, and value rows are read in place. bfloat16 and float16
+// pools are widened in registers; all arithmetic is float32.
 //
 // Shape vocabulary (paged.py): b sequences, t new tokens packed, h query heads, hk key/value
 // heads, g = h / hk, d head width, N blocks, s positions per block, m blocks per table row.
@@ -377,10 +377,11 @@ void paged_check(const Tensor& q, const Tensor& key_pool, const Tensor& value_po
               key_pool.sizes(), " and values ", value_pool.sizes());
   TORCH_CHECK(key_pool.strides() == value_pool.strides() && key_pool.stride(3) == 1,
               "fused paged: the pools must have the same strides and be contiguous in d");
-  TORCH_CHECK(key_pool.scalar_type() == value_pool.scalar_type() &&
-                  (key_pool.scalar_type() == at::kFloat ||
-                   key_pool.scalar_type() == at::kBFloat16),
-              "fused paged: the pools must both be float32 or both bfloat16, got ",
+  const auto pool_type = key_pool.scalar_type();
+  TORCH_CHECK(pool_type == value_pool.scalar_type() &&
+                  (pool_type == at::kFloat || pool_type == at::kBFloat16 ||
+                   pool_type == at::kHalf),
+              "fused paged: the pools must both be float32, both bfloat16 or both float16, got ",
               key_pool.scalar_type(), " and ", value_pool.scalar_type());
   const int64_t n_blocks = key_pool.size(0), s = key_pool.size(1), hk = key_pool.size(2);
   TORCH_CHECK(key_pool.size(3) == d && hk > 0 && h % hk == 0, "fused paged: q (t, h, d) = ",
@@ -469,6 +470,8 @@ void paged(const Tensor& q, const Tensor& key_pool, const Tensor& value_pool,
   begin_parallel();
   if (key_pool.scalar_type() == at::kBFloat16) {
     paged_kernel<at::BFloat16>(pr, items, tasks, key_pool, value_pool, out.data_ptr<float>());
+  } else if (key_pool.scalar_type() == at::kHalf) {
+    paged_kernel<at::Half>(pr, items, tasks, key_pool, value_pool, out.data_ptr<float>());
   } else {
     paged_kernel<float>(pr, items, tasks, key_pool, value_pool, out.data_ptr<float>());
   }

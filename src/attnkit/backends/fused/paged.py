@@ -38,7 +38,7 @@ from attnkit.backends.fused import jit
 
 __all__ = ["POOL_DTYPES", "paged_attention", "why_not"]
 
-POOL_DTYPES = (torch.float32, torch.bfloat16)  # the pool dtypes the kernel reads
+POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the pool dtypes the kernel reads
 
 
 def why_not(
@@ -54,7 +54,7 @@ def why_not(
         return f"the paged kernel takes float32 queries, got {q.dtype}"
     if key_pool.dtype not in POOL_DTYPES or value_pool.dtype != key_pool.dtype:
         return (
-            f"the paged kernel reads float32 or bfloat16 pools, got "
+            f"the paged kernel reads float32, bfloat16 or float16 pools, got "
             f"{key_pool.dtype}/{value_pool.dtype}"
         )
     if q.stride(-1) != 1 or key_pool.stride(-1) != 1 or value_pool.stride(-1) != 1:
@@ -143,8 +143,8 @@ def paged_attention(
 
     Args:
         q: ``(t, h, d)`` float32, sequence ``n`` owning ``query_lengths[n]`` consecutive rows.
-        key_pool, value_pool: ``(N, s, h_kv, d)``, float32 or bfloat16 (read as stored), already
-            holding the new tokens' keys and values.
+        key_pool, value_pool: ``(N, s, h_kv, d)``, float32, bfloat16 or float16 (read as
+            stored), already holding the new tokens' keys and values.
         block_tables: ``(b, m)`` int, each row a sequence's blocks in order (padding past a
             sequence's length is never read).
         lengths: ``(b,)`` keys of each sequence, cached and new.

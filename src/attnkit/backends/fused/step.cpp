@@ -507,12 +507,14 @@ void llama_paged_step(const Tensor& ids, const Tensor& positions, const Tensor& 
     for (const Tensor* p : {&key_pools[l], &value_pools[l]}) {
       TORCH_CHECK(p->device().is_cpu() && p->scalar_type() == first.scalar_type() &&
                       (first.scalar_type() == at::kFloat ||
-                       first.scalar_type() == at::kBFloat16) &&
+                       first.scalar_type() == at::kBFloat16 ||
+                       first.scalar_type() == at::kHalf) &&
                       p->dim() == 4 && p->sizes() == first.sizes() &&
                       p->strides() == first.strides() && p->size(2) == hk && p->size(3) == d &&
                       p->stride(3) == 1,
                   fn, ": the pools of layer ", l, " must be (N, s, h_kv, d) with h_kv = ", hk,
-                  ", d = ", d, ", float32 or bfloat16, shaped and strided like layer 0's keys ",
+                  ", d = ", d, ", float32, bfloat16 or float16, shaped and strided like layer 0's "
+                  "keys ",
                   shape(first), ", contiguous in d; got ", p->scalar_type(), " of shape ",
                   shape(*p));
     }
@@ -550,6 +552,9 @@ void llama_paged_step(const Tensor& ids, const Tensor& positions, const Tensor& 
         if (key.scalar_type() == at::kBFloat16) {
           store_row(row + nq + g * d, d, key.data_ptr<at::BFloat16>() + at);
           store_row(row + nq + nkv + g * d, d, value.data_ptr<at::BFloat16>() + at);
+        } else if (key.scalar_type() == at::kHalf) {
+          store_row(row + nq + g * d, d, key.data_ptr<at::Half>() + at);
+          store_row(row + nq + nkv + g * d, d, value.data_ptr<at::Half>() + at);
         } else {
           store_row(row + nq + g * d, d, key.data_ptr<float>() + at);
           store_row(row + nq + nkv + g * d, d, value.data_ptr<float>() + at);
