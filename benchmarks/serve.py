@@ -464,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, default=1024, help="attnkit's KV blocks (1,024)")
     parser.add_argument(
         "--kv-dtype",
-        default="float32",
-        help="attnkit's KV cache: float32 (default), float16 or bfloat16",
+        default="float16",
+        help="attnkit's KV cache: float16 (the server's default), bfloat16 or float32",
     )
     parser.add_argument("--port", type=int, default=8317, help="attnkit's port; llama.cpp +1")
     parser.add_argument("--no-llama-cpp", action="store_true", help="attnkit only")
