@@ -52,7 +52,7 @@ def _errors(q, key, value, length, **kw):
     return err, limit
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("length", [1, 7, 97, 1000, 4096])
 @pytest.mark.parametrize("d", [64, 80, 17])
 @pytest.mark.parametrize(("h", "h_kv"), [(9, 3), (8, 8), (4, 1), (12, 2)])
@@ -67,7 +67,7 @@ def test_equals_the_float64_reference(kernel, h, h_kv, d, length, kv_dtype) -> N
     assert err <= 2 * limit + 1e-7, f"error {err:.2e} > 2x the plain path's ({limit:.2e})"
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("length", [7, 97, 4096])
 def test_key_padding_with_fully_masked_rows(kernel, length, kv_dtype) -> None:
     """Left padding of different lengths per row, one row with no key at all (zeros)."""
@@ -158,7 +158,8 @@ def test_what_the_kernel_does_not_serve_falls_back_in_a_sentence(kernel) -> None
     torch.testing.assert_close(
         decode_attention(q, key, value, 7), decode_reference(q, key, value, 7), atol=0, rtol=0
     )
-    assert "float32 or bfloat16 caches" in why_not(q.float(), key.half(), value.half())
+    assert "float32, bfloat16 or float16 caches" in why_not(q.float(), key.double(), value.double())
+    assert "float32, bfloat16 or float16 caches" in why_not(q.float(), key.half(), value.bfloat16())
     grad_q = q.float().requires_grad_()
     assert "requires grad" in why_not(grad_q, key.float(), value.float())
     out = decode_attention(grad_q, key.float(), value.float(), 7)
@@ -200,7 +201,7 @@ def test_the_kernel_checks_its_operands_before_any_work(kernel) -> None:
     assert torch.equal(out4[:, :, 0], out)
     with pytest.raises(RuntimeError, match=r"q must be float32 \(b, h, d\) or \(b, h, 1, d\)"):
         kernel.decode(torch.randn(1, 4, 2, 8), key, key, 9, 1.0, None, out)
-    with pytest.raises(RuntimeError, match="key and value must both be float32 or both"):
+    with pytest.raises(RuntimeError, match="key and value must both be float32, both bfloat16"):
         kernel.decode(q, key, key.bfloat16(), 9, 1.0, None, out)
     with pytest.raises(RuntimeError, match="contiguous in d"):
         kernel.decode(q, key.mT.contiguous().mT, key, 9, 1.0, None, out)

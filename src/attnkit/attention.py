@@ -81,9 +81,10 @@ class KVCache:
     tensors of any other shape (a cache from another model or batch).
 
     ``kv_dtype``: how keys and values are stored: ``None`` (default) as they come (float32 for a
-    float32 model); ``torch.bfloat16`` halves the cache and what each step reads, at bfloat16's
-    rounding of every cached key and value (queries, scores and softmax keep the model's dtype);
-    ``torch.float32``. Attention reads the cache as stored (``attnkit.backends.fused.decode``).
+    float32 model); ``torch.float16`` or ``torch.bfloat16`` halves the cache and what each step
+    reads, at that type's rounding of every cached key and value (float16 keeps 11 significant
+    bits, bfloat16 8; queries, scores and softmax keep the model's dtype); ``torch.float32``.
+    Attention reads the cache as stored (``attnkit.backends.fused.decode``).
 
     In cross-attention the same object holds the projected keys/values of the encoder's memory:
     the first call fills it, later calls reuse it instead of projecting the memory again.
@@ -94,8 +95,8 @@ class KVCache:
             raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
         if kv_dtype is not None and kv_dtype not in decode.KV_DTYPES:
             raise ValueError(
-                f"kv_dtype must be torch.float32 or torch.bfloat16 (or None: the dtype of the "
-                f"keys appended), got {kv_dtype!r}"
+                "kv_dtype must be torch.float32, torch.bfloat16 or torch.float16 (or None: the "
+                f"dtype of the keys appended), got {kv_dtype!r}"
             )
         self.max_len = max_len
         self.kv_dtype = kv_dtype

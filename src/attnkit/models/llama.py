@@ -176,7 +176,8 @@ class LlamaModel(nn.Module):
         self, max_len: int | None = None, *, kv_dtype: torch.dtype | None = None
     ) -> list[KVCache]:
         """One empty ``KVCache`` per layer (``max_len``: preallocate that many positions;
-        ``kv_dtype``: ``torch.bfloat16`` or ``torch.float32``, ``None``: the model's dtype)."""
+        ``kv_dtype``: ``torch.float16``, ``torch.bfloat16`` or ``torch.float32``, ``None``: the
+        model's dtype)."""
         return [KVCache(max_len, kv_dtype=kv_dtype) for _ in self.blocks]
 
     def angles(self, n: int, offset: int, padding: Tensor | None, device: torch.device) -> _Angles:

@@ -41,6 +41,8 @@ from torch import Tensor
 from attnkit._numerics import autocast_dtype, compute_dtype
 from attnkit.attention import KVCache
 from attnkit.backends.fused import jit
+from attnkit.backends.fused.decode import KV_DTYPES
+from attnkit.backends.fused.paged import POOL_DTYPES
 from attnkit.quant import ConcatLinear, QuantizedEmbedding, QuantizedLinear
 
 __all__ = ["calls", "paged_step", "step", "why_not", "why_not_paged"]
@@ -235,8 +237,8 @@ def why_not(
             or cache.max_len != first.max_len
         ):
             return "the caches differ in length, shape or dtype"
-    if storage.dtype not in (torch.float32, torch.bfloat16) or storage.shape[0] != ids.shape[0]:
-        return "the caches hold another batch or a dtype other than float32 or bfloat16"
+    if storage.dtype not in KV_DTYPES or storage.shape[0] != ids.shape[0]:
+        return "the caches hold another batch or a dtype other than float32, bfloat16 or float16"
     return None
 
 
@@ -310,7 +312,7 @@ def why_not_paged(model: Any, key_pools: list[Tensor], value_pools: list[Tensor]
     first = key_pools[0]
     if len(key_pools) != c.num_layers or len(value_pools) != c.num_layers:
         return "the pools do not hold one tensor per layer"
-    if first.device != _CPU or first.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if first.device != _CPU or first.dtype not in POOL_DTYPES:
         return "the pools are not float32, bfloat16 or float16 CPU tensors"
     if first.dim() != 4 or tuple(first.shape[2:]) != (c.num_kv_heads, c.head_dim):
         return "the pools are not (N, s, h_kv, d) for this model"

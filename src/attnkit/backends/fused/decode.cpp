@@ -190,8 +190,10 @@ void decode(const Tensor& q, const Tensor& key, const Tensor& value, int64_t len
               "fused decode: key and value must be (b, h_kv, L, d) of one shape, got key ",
               key.sizes(), " and value ", value.sizes());
   TORCH_CHECK(key.scalar_type() == value.scalar_type() &&
-                  (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16),
-              "fused decode: key and value must both be float32 or both bfloat16, got ",
+                  (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16 ||
+                   key.scalar_type() == at::kHalf),
+              "fused decode: key and value must both be float32, both bfloat16 or both float16, "
+              "got ",
               key.scalar_type(), " and ", value.scalar_type());
   TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1,
               "fused decode: key and value must be contiguous in d");
@@ -232,6 +234,8 @@ void decode_into(const float* q, int64_t q_sb, int64_t q_sh, int64_t nb, int64_t
   pr.mask = key_mask, pr.mask_sb = mask_sb, pr.mask_sj = mask_sj;
   if (key.scalar_type() == at::kBFloat16) {
     decode_kernel<at::BFloat16>(pr, key, value, out);
+  } else if (key.scalar_type() == at::kHalf) {
+    decode_kernel<at::Half>(pr, key, value, out);
   } else {
     decode_kernel<float>(pr, key, value, out);
   }

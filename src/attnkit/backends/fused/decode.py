@@ -17,11 +17,11 @@ speed up: the step reads the whole cache once and does two multiply-adds per val
 kernel (flash-decoding, Dao, Haziza, Massa and Sizov 2023) therefore splits the keys into
 chunks so that one sequence with a few key heads keeps every thread busy, serves all
 ``h // h_kv`` query heads of a key head in one task (each cached row is read once per group,
-not once per query head), merges the chunks' softmax states, and reads a bfloat16 cache as
-bfloat16, widening it to float32 in registers.
+not once per query head), merges the chunks' softmax states, and reads a bfloat16 or float16
+cache as stored, widening it to float32 in registers.
 
 The kernel runs only when it is already built (``jit.is_built()``: nothing is compiled here),
-for float32 queries on the CPU, float32 or bfloat16 caches and no gradient; otherwise
+for float32 queries on the CPU, float32, bfloat16 or float16 caches and no gradient; otherwise
 ``decode_attention`` computes the reference, and ``why_not`` says why in a sentence.
 """
 
@@ -37,7 +37,7 @@ from attnkit.functional import scaled_dot_product_attention
 
 __all__ = ["KV_DTYPES", "decode_attention", "decode_reference", "key_padding", "why_not"]
 
-KV_DTYPES = (torch.float32, torch.bfloat16)  # the cache dtypes the kernel reads
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the cache dtypes the kernel reads
 
 
 def _check(q: Tensor, key: Tensor, value: Tensor, length: int, key_mask: Tensor | None) -> None:
@@ -103,7 +103,10 @@ def why_not(q: Tensor, key: Tensor, value: Tensor, *, loaded_only: bool = False)
     if q.dtype != torch.float32:
         return f"the decode kernel takes float32 queries, got {q.dtype}"
     if key.dtype not in KV_DTYPES or value.dtype != key.dtype:
-        return f"the decode kernel reads float32 or bfloat16 caches, got {key.dtype}/{value.dtype}"
+        return (
+            "the decode kernel reads float32, bfloat16 or float16 caches, got "
+            f"{key.dtype}/{value.dtype}"
+        )
     if q.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
         return "the decode kernel reads q, keys and values contiguous in d"
     if torch.is_grad_enabled() and (q.requires_grad or key.requires_grad or value.requires_grad):

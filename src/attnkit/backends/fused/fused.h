@@ -367,8 +367,9 @@ void backward(const Tensor& k, const Tensor& v, const Tensor& k_t, const Tensor&
 
 // decode.cpp's step without its checks (the caller checked): attention of query heads q (b, h, d)
 // (rows q_sb and heads q_sh apart, contiguous in d) over keys [0, length) of the cache key,
-// value (b, h_kv, L, d), float32 or bfloat16, contiguous in d; key_mask (b, length) or nullptr;
-// writes out (b, h, d), contiguous. Marks the threads it runs on (note_thread), resets nothing.
+// value (b, h_kv, L, d), float32, bfloat16 or float16, contiguous in d; key_mask (b, length) or
+// nullptr; writes out (b, h, d), contiguous. Marks the threads it runs on (note_thread), resets
+// nothing.
 void decode_into(const float* q, int64_t q_sb, int64_t q_sh, int64_t nb, int64_t h,
                  const Tensor& key, const Tensor& value, int64_t length, double scale,
                  const bool* key_mask, int64_t mask_sb, int64_t mask_sj, float* out);

@@ -434,12 +434,14 @@ void llama_step(const Tensor& ids, const std::vector<int64_t>& positions, const 
   for (int64_t l = 0; l < M.layers; l++) {
     for (const Tensor* t : {&keys[l], &values[l]}) {
       TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == kv_dtype &&
-                      (kv_dtype == at::kFloat || kv_dtype == at::kBFloat16) && t->dim() == 4 &&
+                      (kv_dtype == at::kFloat || kv_dtype == at::kBFloat16 ||
+                       kv_dtype == at::kHalf) &&
+                      t->dim() == 4 &&
                       t->size(0) == b && t->size(1) == hk && t->size(2) > length &&
                       t->size(3) == d && t->stride(3) == 1,
                   "llama_step: the cache of layer ", l, " must be (b, h_kv, L, d) = (", b, ", ",
-                  hk, ", L > length = ", length, ", ", d, "), float32 or bfloat16 like layer 0's,"
-                  " contiguous in d; got ", t->scalar_type(), " of shape ", shape(*t));
+                  hk, ", L > length = ", length, ", ", d, "), float32, bfloat16 or float16 like "
+                  "layer 0's, contiguous in d; got ", t->scalar_type(), " of shape ", shape(*t));
     }
   }
   const bool* mask = nullptr;
@@ -465,6 +467,9 @@ void llama_step(const Tensor& ids, const std::vector<int64_t>& positions, const 
         if (kv_dtype == at::kBFloat16) {
           store_row(row + nq + g * d, d, key.data_ptr<at::BFloat16>() + at_k);
           store_row(row + nq + nkv + g * d, d, value.data_ptr<at::BFloat16>() + at_v);
+        } else if (kv_dtype == at::kHalf) {
+          store_row(row + nq + g * d, d, key.data_ptr<at::Half>() + at_k);
+          store_row(row + nq + nkv + g * d, d, value.data_ptr<at::Half>() + at_v);
         } else {
           store_row(row + nq + g * d, d, key.data_ptr<float>() + at_k);
           store_row(row + nq + nkv + g * d, d, value.data_ptr<float>() + at_v);
