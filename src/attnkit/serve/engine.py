@@ -214,8 +214,7 @@ class Engine:
         if kv_dtype is not None and kv_dtype not in POOL_DTYPES:
             raise ValueError(
                 "kv_dtype must be torch.float32, torch.bfloat16 or torch.float16 (or None: the "
-                f"model's), "
-                f"got {kv_dtype!r}"
+                f"model's), got {kv_dtype!r}"
             )
         counts = {"max_batch": max_batch, "chunk_tokens": chunk_tokens}
         if threads is not None:

@@ -189,9 +189,7 @@ void decode(const Tensor& q, const Tensor& key, const Tensor& value, int64_t len
   TORCH_CHECK(key.dim() == 4 && value.dim() == 4 && key.sizes() == value.sizes(),
               "fused decode: key and value must be (b, h_kv, L, d) of one shape, got key ",
               key.sizes(), " and value ", value.sizes());
-  TORCH_CHECK(key.scalar_type() == value.scalar_type() &&
-                  (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16 ||
-                   key.scalar_type() == at::kHalf),
+  TORCH_CHECK(key.scalar_type() == value.scalar_type() && is_kv_type(key.scalar_type()),
               "fused decode: key and value must both be float32, both bfloat16 or both float16, "
               "got ",
               key.scalar_type(), " and ", value.scalar_type());
@@ -232,13 +230,9 @@ void decode_into(const float* q, int64_t q_sb, int64_t q_sh, int64_t nb, int64_t
   pr.scale2 = static_cast<float>(scale * LOG2E);
   pr.q = q, pr.q_sb = q_sb, pr.q_sh = q_sh;
   pr.mask = key_mask, pr.mask_sb = mask_sb, pr.mask_sj = mask_sj;
-  if (key.scalar_type() == at::kBFloat16) {
-    decode_kernel<at::BFloat16>(pr, key, value, out);
-  } else if (key.scalar_type() == at::kHalf) {
-    decode_kernel<at::Half>(pr, key, value, out);
-  } else {
-    decode_kernel<float>(pr, key, value, out);
-  }
+  with_kv_type(key.scalar_type(), [&](auto kv) {
+    decode_kernel<decltype(kv)>(pr, key, value, out);
+  });
 }
 
 }  // namespace attnkit_fused

@@ -365,6 +365,18 @@ void backward(const Tensor& k, const Tensor& v, const Tensor& k_t, const Tensor&
               const Tensor& plan_offsets, const Tensor& plan_tiles, const Opt& q_norm,
               const Opt& k_norm, const Named& sizes, const NamedF& numbers);
 
+// The types a KV cache or pool holds keys and values in (read as stored, widened to float32 in
+// registers), and f(kv_t{}) called with the one a tensor holds (float for float32).
+inline bool is_kv_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+template <typename F>
+void with_kv_type(at::ScalarType t, F&& f) {
+  if (t == at::kBFloat16) return f(at::BFloat16{});
+  if (t == at::kHalf) return f(at::Half{});
+  return f(float{});
+}
+
 // decode.cpp's step without its checks (the caller checked): attention of query heads q (b, h, d)
 // (rows q_sb and heads q_sh apart, contiguous in d) over keys [0, length) of the cache key,
 // value (b, h_kv, L, d), float32, bfloat16 or float16, contiguous in d; key_mask (b, length) or

@@ -377,10 +377,8 @@ void paged_check(const Tensor& q, const Tensor& key_pool, const Tensor& value_po
               key_pool.sizes(), " and values ", value_pool.sizes());
   TORCH_CHECK(key_pool.strides() == value_pool.strides() && key_pool.stride(3) == 1,
               "fused paged: the pools must have the same strides and be contiguous in d");
-  const auto pool_type = key_pool.scalar_type();
-  TORCH_CHECK(pool_type == value_pool.scalar_type() &&
-                  (pool_type == at::kFloat || pool_type == at::kBFloat16 ||
-                   pool_type == at::kHalf),
+  TORCH_CHECK(key_pool.scalar_type() == value_pool.scalar_type() &&
+                  is_kv_type(key_pool.scalar_type()),
               "fused paged: the pools must both be float32, both bfloat16 or both float16, got ",
               key_pool.scalar_type(), " and ", value_pool.scalar_type());
   const int64_t n_blocks = key_pool.size(0), s = key_pool.size(1), hk = key_pool.size(2);
@@ -468,13 +466,9 @@ void paged(const Tensor& q, const Tensor& key_pool, const Tensor& value_pool,
     }
   }
   begin_parallel();
-  if (key_pool.scalar_type() == at::kBFloat16) {
-    paged_kernel<at::BFloat16>(pr, items, tasks, key_pool, value_pool, out.data_ptr<float>());
-  } else if (key_pool.scalar_type() == at::kHalf) {
-    paged_kernel<at::Half>(pr, items, tasks, key_pool, value_pool, out.data_ptr<float>());
-  } else {
-    paged_kernel<float>(pr, items, tasks, key_pool, value_pool, out.data_ptr<float>());
-  }
+  with_kv_type(key_pool.scalar_type(), [&](auto kv) {
+    paged_kernel<decltype(kv)>(pr, items, tasks, key_pool, value_pool, out.data_ptr<float>());
+  });
 }
 
 }  // namespace attnkit_fused

@@ -35,10 +35,11 @@ import torch
 from torch import Tensor
 
 from attnkit.backends.fused import jit
+from attnkit.backends.fused.decode import KV_DTYPES
 
 __all__ = ["POOL_DTYPES", "paged_attention", "why_not"]
 
-POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the pool dtypes the kernel reads
+POOL_DTYPES = KV_DTYPES  # the pool dtypes the kernel reads: a dense cache's
 
 
 def why_not(

@@ -434,9 +434,7 @@ void llama_step(const Tensor& ids, const std::vector<int64_t>& positions, const 
   for (int64_t l = 0; l < M.layers; l++) {
     for (const Tensor* t : {&keys[l], &values[l]}) {
       TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == kv_dtype &&
-                      (kv_dtype == at::kFloat || kv_dtype == at::kBFloat16 ||
-                       kv_dtype == at::kHalf) &&
-                      t->dim() == 4 &&
+                      is_kv_type(kv_dtype) && t->dim() == 4 &&
                       t->size(0) == b && t->size(1) == hk && t->size(2) > length &&
                       t->size(3) == d && t->stride(3) == 1,
                   "llama_step: the cache of layer ", l, " must be (b, h_kv, L, d) = (", b, ", ",
@@ -464,16 +462,11 @@ void llama_step(const Tensor& ids, const std::vector<int64_t>& positions, const 
       for (int64_t g = 0; g < hk; g++) {
         const int64_t at_k = r * key.stride(0) + g * key.stride(1) + length * key.stride(2);
         const int64_t at_v = r * value.stride(0) + g * value.stride(1) + length * value.stride(2);
-        if (kv_dtype == at::kBFloat16) {
-          store_row(row + nq + g * d, d, key.data_ptr<at::BFloat16>() + at_k);
-          store_row(row + nq + nkv + g * d, d, value.data_ptr<at::BFloat16>() + at_v);
-        } else if (kv_dtype == at::kHalf) {
-          store_row(row + nq + g * d, d, key.data_ptr<at::Half>() + at_k);
-          store_row(row + nq + nkv + g * d, d, value.data_ptr<at::Half>() + at_v);
-        } else {
-          store_row(row + nq + g * d, d, key.data_ptr<float>() + at_k);
-          store_row(row + nq + nkv + g * d, d, value.data_ptr<float>() + at_v);
-        }
+        with_kv_type(kv_dtype, [&](auto kv) {
+          using kv_t = decltype(kv);
+          store_row(row + nq + g * d, d, key.data_ptr<kv_t>() + at_k);
+          store_row(row + nq + nkv + g * d, d, value.data_ptr<kv_t>() + at_v);
+        });
       }
     }
     decode_into(qkv, nqkv, d, b, M.h, key, value, length + 1, M.scale, mask,
@@ -511,9 +504,7 @@ void llama_paged_step(const Tensor& ids, const Tensor& positions, const Tensor& 
   for (int64_t l = 0; l < M.layers; l++) {
     for (const Tensor* p : {&key_pools[l], &value_pools[l]}) {
       TORCH_CHECK(p->device().is_cpu() && p->scalar_type() == first.scalar_type() &&
-                      (first.scalar_type() == at::kFloat ||
-                       first.scalar_type() == at::kBFloat16 ||
-                       first.scalar_type() == at::kHalf) &&
+                      is_kv_type(first.scalar_type()) &&
                       p->dim() == 4 && p->sizes() == first.sizes() &&
                       p->strides() == first.strides() && p->size(2) == hk && p->size(3) == d &&
                       p->stride(3) == 1,
@@ -554,16 +545,11 @@ void llama_paged_step(const Tensor& ids, const Tensor& positions, const Tensor& 
       const int64_t base = (slot[r] / s) * key.stride(0) + (slot[r] % s) * key.stride(1);
       for (int64_t g = 0; g < hk; g++) {
         const int64_t at = base + g * key.stride(2);
-        if (key.scalar_type() == at::kBFloat16) {
-          store_row(row + nq + g * d, d, key.data_ptr<at::BFloat16>() + at);
-          store_row(row + nq + nkv + g * d, d, value.data_ptr<at::BFloat16>() + at);
-        } else if (key.scalar_type() == at::kHalf) {
-          store_row(row + nq + g * d, d, key.data_ptr<at::Half>() + at);
-          store_row(row + nq + nkv + g * d, d, value.data_ptr<at::Half>() + at);
-        } else {
-          store_row(row + nq + g * d, d, key.data_ptr<float>() + at);
-          store_row(row + nq + nkv + g * d, d, value.data_ptr<float>() + at);
-        }
+        with_kv_type(key.scalar_type(), [&](auto kv) {
+          using kv_t = decltype(kv);
+          store_row(row + nq + g * d, d, key.data_ptr<kv_t>() + at);
+          store_row(row + nq + nkv + g * d, d, value.data_ptr<kv_t>() + at);
+        });
       }
     }
     const Tensor q = at::from_blob(const_cast<float*>(qkv), {t, M.h, d}, {nqkv, d, 1},
