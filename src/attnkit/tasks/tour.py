@@ -21,6 +21,8 @@ outputs with one causal pass over the whole sequence (grouped-query heads, rotar
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import statistics
 import time
 from collections.abc import Callable
@@ -162,12 +164,23 @@ _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
+def _release_free_heap() -> None:
+    """Hand the C allocator's freed pages back to the system (glibc's ``malloc_trim``).
+
+    Memory freed earlier stays resident inside the heap; an allocation that reuses it adds nothing
+    to the resident size, so a peak reading would miss it. After this, reused pages are new pages.
+    """
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to hand back
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def peak_extra_mb(fn: Callable[[], Tensor]) -> tuple[Tensor, float | None]:
     """``fn()`` and the most memory (MB) it added to the process at any moment while it ran.
 
     Linux only (``None`` elsewhere, or where ``/proc/self/clear_refs`` cannot be written).
     """
     try:
+        _release_free_heap()
         before = _status_kb("VmRSS")
         _CLEAR_REFS.write_text("5")  # resets VmHWM, the peak, to the current resident size
     except OSError:
