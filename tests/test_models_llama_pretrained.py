@@ -40,7 +40,9 @@ def test_logits_equal_transformers(bundled, hf_bundled, n: int) -> None:
         ours = bundled.model(ids).logits
         theirs = hf_bundled(ids).logits
     error = (ours - theirs).abs().max().item()
-    assert error <= 1e-4, error
+    # The whole difference is RoPE's angles, float64 here and float32 there (the next test);
+    # it grows with the position: about 1e-4 at 200 tokens, on logits of size 34.
+    assert error <= 2e-4, error
 
 
 def test_the_whole_difference_is_rope_angles_in_float32(bundled, hf_bundled, monkeypatch):
