@@ -321,7 +321,7 @@ def measure(args: argparse.Namespace) -> dict:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     gguf = str(bundled_model_path())
     port = args.port
-    out: dict = {"attnkit": [], "llama.cpp": [], "prefix": None}
+    out: dict = {"attnkit": [], "llama.cpp": [], "prefix": None, "failed": {}}
     servers = {
         "attnkit": (
             [
@@ -346,9 +346,20 @@ def measure(args: argparse.Namespace) -> dict:
         )
     for name, (argv, extra) in servers.items():
         url = f"http://127.0.0.1:{port if name == 'attnkit' else port + 1}"
-        proc = start_server(argv, url, env)
+        proc = None
         try:
+            proc = start_server(argv, url, env)
             load_round(url, 1, args.prompt, 4, extra, seed=0)  # warm-up
+        except (RuntimeError, ValueError, OSError, asyncio.IncompleteReadError) as err:
+            code = None if proc is None else proc.poll()  # a crash: the signal, negated
+            if proc is not None:
+                stop_server(proc)
+            if name == "attnkit":
+                raise
+            # a peer that cannot serve here: the report says so, attnkit's figures stand
+            out["failed"][name] = str(err) if code is None else f"its process ended with {code}"
+            continue
+        try:
             # The loads interleaved, round after round (a drift of the machine's speed hits
             # every load alike); new prompts every round, so the prefix cache never helps.
             rounds: dict[int, list[dict]] = {clients: [] for clients in args.clients}
@@ -423,7 +434,10 @@ def report(out: dict, args: argparse.Namespace) -> str:
                 f"{row['ttft_p99'] * 1e3:.0f} | {row['itl_p50'] * 1e3:.1f} | "
                 f"{row['itl_p99'] * 1e3:.1f} |"
             )
-    if not out["llama.cpp"]:
+    failed = out.get("failed", {}).get("llama.cpp")
+    if failed:
+        lines += ["", f"llama.cpp's server failed on its first request here ({failed})."]
+    elif not out["llama.cpp"]:
         lines += ["", "llama.cpp's server was not measured (`llama_cpp.server` does not import)."]
     p = out["prefix"]
     if p:

@@ -91,6 +91,12 @@ def test_the_report_gives_speed_ups_and_the_prefix_cache_ratio() -> None:
     assert "llama.cpp's server was not measured" not in text
     out["llama.cpp"] = []
     assert "llama.cpp's server was not measured" in bench.report(out, args)
+    out["failed"] = {"llama.cpp": "its process ended with -11"}
+    text = bench.report(out, args)
+    said = "llama.cpp's server failed on its first request here (its process ended with -11)"
+    assert said in text
+    assert "was not measured" not in text
+    del out["failed"]
     # A second CPU's table: its own section, a heading naming the CPU, the command that made it.
     args.section, args.no_llama_cpp = "serve-avx2", True
     text = bench.report(out, args)
@@ -230,3 +236,44 @@ def test_an_error_status_an_early_stop_or_a_cut_off_stream_raises(scripted) -> N
         bench.stream(scripted(1, lambda body: _chunked(_events(body, "stop"))), "a", 5, {})
     with pytest.raises(RuntimeError, match="without a finish_reason"):  # cut off mid-stream
         bench.stream(scripted(1, lambda body: _chunked(_events(body)[:2])), "a", 5, {})
+
+
+def test_a_peer_that_crashes_is_reported_and_attnkit_is_still_measured(monkeypatch) -> None:
+    """llama.cpp's server dying on its first request (its build faulted on one CPU) ends its
+    part of the run, not the run; attnkit failing still fails it."""
+
+    class Proc:
+        def __init__(self, argv):
+            self.llama = "llama_cpp.server" in argv
+
+        def poll(self):
+            return -11 if self.llama else None
+
+    stopped = []
+    monkeypatch.setattr(bench, "llama_cpp_available", lambda: True)
+    monkeypatch.setattr(bench, "start_server", lambda argv, url, env: Proc(argv))
+    monkeypatch.setattr(bench, "stop_server", stopped.append)
+
+    def load_round(url, clients, prompt, new, extra, seed):
+        if url.endswith(":9001"):  # llama.cpp's port: its stream ends mid-chunk
+            raise ValueError("invalid literal for int() with base 16: b''")
+        return {"clients": clients, "tokens_per_s": 10.0 * clients, "decode_per_s": 1.0,
+                "together_per_s": 1.0, "ttfts": [0.1], "gaps": [0.01]}  # fmt: skip
+
+    monkeypatch.setattr(bench, "load_round", load_round)
+    monkeypatch.setattr(bench, "prefix_cache", lambda *a: {"cached": 0.1, "uncached": 1.0})
+    args = argparse.Namespace(
+        port=9000, threads=2, clients=[1, 8], kv_blocks=64, kv_dtype="float16",
+        no_llama_cpp=False, prompt=64, new=4, repeats=1, system=100, rounds=1,
+    )  # fmt: skip
+    out = bench.measure(args)
+    assert [row["clients"] for row in out["attnkit"]] == [1, 8] and out["llama.cpp"] == []
+    assert out["failed"] == {"llama.cpp": "its process ended with -11"}
+    assert len(stopped) == 2 and all(isinstance(p, Proc) for p in stopped)
+
+    def broken(url, *a, **k):
+        raise ValueError("attnkit's stream broke")
+
+    monkeypatch.setattr(bench, "load_round", broken)
+    with pytest.raises(ValueError, match="attnkit's stream broke"):
+        bench.measure(args)
