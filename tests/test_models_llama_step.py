@@ -86,7 +86,11 @@ def test_step_equals_the_module_path_on_smollm2(quant_kernel, monkeypatch, n: in
 
     model = _bundled_gguf()
     ids = model.encode("Once upon a time, in a small village by the sea, " * 40)[:n]
-    assert _steps(model.model, torch.tensor([ids]), 20, monkeypatch) <= 1e-4
+    # The two paths sum the products in other orders, through 30 layers, on logits of size 20
+    # to 35: 2-3e-5 apart with AVX-512, 0.7-1.2e-4 with AVX2 (its interleaved rows sum each
+    # output in one chain of up to 1,536 FMAs). The bound the bundled model's paths keep in the
+    # serve step's test as well; the float32 path's is 1e-3.
+    assert _steps(model.model, torch.tensor([ids]), 20, monkeypatch) <= 5e-4
 
 
 @pytest.mark.slow
