@@ -504,15 +504,13 @@ void llama_paged_step(const Tensor& ids, const Tensor& positions, const Tensor& 
   for (int64_t l = 0; l < M.layers; l++) {
     for (const Tensor* p : {&key_pools[l], &value_pools[l]}) {
       TORCH_CHECK(p->device().is_cpu() && p->scalar_type() == first.scalar_type() &&
-                      is_kv_type(first.scalar_type()) &&
-                      p->dim() == 4 && p->sizes() == first.sizes() &&
-                      p->strides() == first.strides() && p->size(2) == hk && p->size(3) == d &&
-                      p->stride(3) == 1,
+                      is_kv_type(first.scalar_type()) && p->dim() == 4 &&
+                      p->sizes() == first.sizes() && p->strides() == first.strides() &&
+                      p->size(2) == hk && p->size(3) == d && p->stride(3) == 1,
                   fn, ": the pools of layer ", l, " must be (N, s, h_kv, d) with h_kv = ", hk,
-                  ", d = ", d, ", float32, bfloat16 or float16, shaped and strided like layer 0's "
-                  "keys ",
-                  shape(first), ", contiguous in d; got ", p->scalar_type(), " of shape ",
-                  shape(*p));
+                  ", d = ", d, ", float32, bfloat16 or float16, shaped and strided like ",
+                  "layer 0's keys ", shape(first), ", contiguous in d; got ", p->scalar_type(),
+                  " of shape ", shape(*p));
     }
   }
   const int64_t n_slots = first.size(0) * first.size(1), s = first.size(1);
