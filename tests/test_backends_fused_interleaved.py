@@ -49,7 +49,7 @@ def test_interleaving_keeps_every_byte_and_value(kernel, kind: Kind, n: int) -> 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 64, 300])
 def test_qmatmul_on_interleaved_rows_is_x_times_the_values(kernel, kind: Kind, m: int) -> None:
-    """Up to 256 rows of x the row kernels (8, 4, 2, 1 rows at a time), beyond them the tiles."""
+    """Up to 256 rows of x the row kernels (4, 2, 1 rows at a time), beyond them the tiles."""
     for n in (8, 40, 96):
         for k in (96, 288):
             _, packed, want = _interleaved(kernel, kind, n, k, seed=m + n + k)

@@ -85,11 +85,16 @@ def _run(
     # drift further apart: ``pools=False`` leaves the pools unchecked.
     if not pools:
         return worst
+    # Within a 16-bit pool the later layers' keys and values drift by a few of the dtype's steps
+    # (float16 pools: 2 of 12,032 values about 15 steps apart, 1e-3 on values of about 0.08):
+    # there the bound is one bfloat16 step of the pool's largest value.
     rtol = 1e-4 if dtype == torch.float32 else 2**-7
     for a, r in zip(
         compiled.keys + compiled.values, reference.keys + reference.values, strict=True
     ):
-        torch.testing.assert_close(a, r, atol=1e-4, rtol=rtol)
+        scale = r.abs().max().item()
+        atol = 1e-4 if dtype == torch.float32 else max(1e-4, 2**-8 * scale)
+        torch.testing.assert_close(a, r, atol=atol, rtol=rtol)
     return worst
 
 

@@ -20,15 +20,19 @@
 // ran at 0.8-0.9x GGUF's rows; one stream, 1.0-1.2x). Set s is the bytes of rows 32 s ..
 // 32 s + 31 of the (n, row_bytes) tensor: the same bytes, rearranged (``interleave``).
 //
-// A product then de-quantises 8 rows' element e into one vector (exactly as gguf does: q d + m,
-// (q - 8) d or q d, whose products are exact in float32) and multiplies it into one accumulator
-// per row of x with a broadcast x[r][e]: no sum across lanes, and one vector of W serves every
-// row of x. Each output (row r of x, row c of W) is one chain of FMAs over its k values, in the
-// same order (block by block; within a block elements p, p + 16 for p = 0 .. 15) however many
-// rows of x or groups of W a call takes at once: a row's result is the same bits alone and in a
-// batch. On one core of a Zen 3 class CPU, a product with 8 rows of x ran at 1.2-1.4x the
-// row-at-a-time kernel (21-30 GMAC/s, as the other core's load varied), with 1 row at
-// 1.0-1.2x.
+// A product then multiplies 8 rows' element e, as exact small integers (the nibbles, minus 8
+// for Q4_0, or the int8 values) in one vector, into one sum per row of x with a broadcast
+// x[r][e]: no sum across lanes, and one vector of W serves every row of x. The block's scales
+// come in once per block, as in the GGUF-row kernels (quant.h's ``matvec``): s = x . q over
+// its 32 values, then d s (and m sum(x) for Q4_1) added to the output. Each output (row r of
+// x, row c of W) is so one fixed sequence of FMAs, block by block (within a block elements
+// 0 .. 31 in order), however many rows of x or groups of W a call takes at once: a row's
+// result is the same bits alone and in a batch. Against float64, the products of SmolLM2's
+// matrices are as close as when each value was de-quantised first (largest relative error
+// 0.2-0.7e-6 against 0.5-1.1e-6). On a Zen 3 class core (2 threads, SmolLM2-135M's Q4_1 and
+// Q8_0 matrices, in-process) a decoding step of one sequence took 0.66-0.86x the time of the
+// kernel that de-quantised every value (q d + m) first (three runs, alternating), and one of
+// 8 sequences 0.92-1.28x (the products alone: 0.97-1.02x).
 //
 // Without AVX2 the same arithmetic runs on 8 floats with std::fma: the same bits, slowly (a
 // build that prefers GGUF's layout only meets this one in tests).
@@ -61,6 +65,12 @@ constexpr bool prefers_interleaved() {
 #else
   return false;
 #endif
+}
+
+// Whether the products of W of this kind (either layout) read the unit sums of x: interleaved
+// Q4_1 always (its tiles add m sum(x) per block), GGUF's rows as quant.h's row kernels do.
+constexpr bool reads_unit_sums(int64_t kind) {
+  return kind == (INTERLEAVED | Q4_1) || needs_unit_sums(kind);
 }
 
 // Bytes of a block's scales (d, and m for Q4_1): a group's block holds 8 of each first.
@@ -112,6 +122,7 @@ inline Lanes lanes_fma(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, b,
 inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm256_mul_ps(a, b); }
 inline Lanes lanes_add(Lanes a, Lanes b) { return _mm256_add_ps(a, b); }
 inline void lanes_store(float* p, Lanes a) { _mm256_storeu_ps(p, a); }
+inline Lanes lanes_load(const float* p) { return _mm256_loadu_ps(p); }
 inline Lanes lanes_halves(const uint8_t* p) {  // 8 float16
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -123,6 +134,13 @@ inline void lanes_nibbles(const uint8_t* p, Lanes& low, Lanes& high) {  // 8 byt
   const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   low = _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)));
   high = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+}
+// 8 bytes' low (high = 0) or high nibbles minus ``offset``: exact small integers.
+inline Lanes lanes_nibble(const uint8_t* p, int high, int offset) {
+  __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  q = high ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(0x0F));
+  if (offset) q = _mm256_sub_epi32(q, _mm256_set1_epi32(offset));
+  return _mm256_cvtepi32_ps(q);
 }
 #else
 struct Lanes {
@@ -147,6 +165,11 @@ inline Lanes lanes_add(Lanes a, Lanes b) {
   return a;
 }
 inline void lanes_store(float* p, Lanes a) { std::memcpy(p, a.v, sizeof(a.v)); }
+inline Lanes lanes_load(const float* p) {
+  Lanes l;
+  std::memcpy(l.v, p, sizeof(l.v));
+  return l;
+}
 inline Lanes lanes_halves(const uint8_t* p) {
   Lanes l;
   for (int j = 0; j < GROUP; j++) l.v[j] = half(p + 2 * j);
@@ -162,6 +185,13 @@ inline void lanes_nibbles(const uint8_t* p, Lanes& low, Lanes& high) {
     low.v[j] = static_cast<float>(p[j] & 0x0F);
     high.v[j] = static_cast<float>(p[j] >> 4);
   }
+}
+inline Lanes lanes_nibble(const uint8_t* p, int high, int offset) {
+  Lanes l;
+  for (int j = 0; j < GROUP; j++) {
+    l.v[j] = static_cast<float>((high ? p[j] >> 4 : p[j] & 0x0F) - offset);
+  }
+  return l;
 }
 #endif
 
@@ -198,77 +228,101 @@ struct GroupBlock {
 };
 
 // acc[r][g] = x[r] . (G groups of a set from ``w``: unit u of group g at w + u unit_stride +
-// g GROUP block_bytes), R rows of x ldx apart: one FMA chain per accumulator lane, in the order
-// the header states.
+// g GROUP block_bytes), R rows of x ldx apart (xsum: their unit sums, ``lds`` apart; Q4_1's
+// m sum(x) term). Per unit, as the GGUF-row kernels (quant.h's ``matvec``) compute a block:
+// s = x . q over the block's 32 values (q the exact small integers: nibbles, minus 8 for Q4_0,
+// or int8), one FMA chain per lane over elements 0 .. 31 in order, then
+// acc += d s (and, Q4_1, acc += m sum(x)): the same order however many rows of x or groups of W
+// a call takes. The scales stay out of the inner loop: per 8 values and R rows, R FMAs and
+// no de-quantising multiply.
 template <int64_t KIND, int R, int G>
-inline void group_tile(const float* x, int64_t ldx, const uint8_t* w, int64_t unit_stride,
-                       int64_t units, Lanes (&acc)[R][G]) {
-  for (int r = 0; r < R; r++)
-    for (int g = 0; g < G; g++) acc[r][g] = lanes_zero();
+inline void group_tile(const float* x, int64_t ldx, const float* xsum, int64_t lds,
+                       const uint8_t* w, int64_t unit_stride, int64_t units, float* acc) {
+  constexpr int64_t bytes = GROUP * block_bytes<KIND>, head = GROUP * head_bytes(KIND);
+  // acc (R x G lanes) stays in memory: the registers hold the units' sums s.
+  for (int i = 0; i < R * G; i++) lanes_store(acc + i * GROUP, lanes_zero());
   for (int64_t u = 0; u < units; u++) {
-    GroupBlock<KIND> blocks[G];
     const uint8_t* unit = w + u * unit_stride;
     // The tile's bytes AHEAD units on, asked for now: with fewer than a set's 4 groups the
     // tile reads a slice of each unit's bytes, a pattern the CPU's prefetchers do not follow.
-    for (int64_t line = 0; line < G * GROUP * block_bytes<KIND>; line += 64)
+    for (int64_t line = 0; line < G * bytes; line += 64)
       __builtin_prefetch(unit + AHEAD * unit_stride + line, 0, 3);
-    for (int g = 0; g < G; g++) blocks[g].load(unit + g * GROUP * block_bytes<KIND>);
     const float* xu = x + u * UNIT;
+    Lanes s[R][G];
+    for (int r = 0; r < R; r++)
+      for (int g = 0; g < G; g++) s[r][g] = lanes_zero();
     if constexpr (KIND == Q8_0) {
       for (int e = 0; e < UNIT; e++) {
-        Lanes wv[G];
-        for (int g = 0; g < G; g++) wv[g] = blocks[g].element(e);
+        Lanes q[G];
+        for (int g = 0; g < G; g++) q[g] = lanes_int8s(unit + g * bytes + head + e * GROUP);
         for (int r = 0; r < R; r++) {
           const Lanes xe = lanes_set(xu[r * ldx + e]);
-          for (int g = 0; g < G; g++) acc[r][g] = lanes_fma(xe, wv[g], acc[r][g]);
+          for (int g = 0; g < G; g++) s[r][g] = lanes_fma(xe, q[g], s[r][g]);
         }
       }
     } else {
-      for (int p = 0; p < UNIT / 2; p++) {
-        Lanes w0[G], w1[G];
-        for (int g = 0; g < G; g++) blocks[g].pair(p, w0[g], w1[g]);
-        for (int r = 0; r < R; r++) {
-          const Lanes xe = lanes_set(xu[r * ldx + p]);
-          for (int g = 0; g < G; g++) acc[r][g] = lanes_fma(xe, w0[g], acc[r][g]);
+      // Elements 0 .. 15 (low nibbles), then 16 .. 31 (high): a byte is read twice, so that
+      // only one vector per group is live (with both halves the sums did not fit the registers).
+      auto half = [&](auto high) {
+        for (int p = 0; p < UNIT / 2; p++) {
+          Lanes q[G];
+          for (int g = 0; g < G; g++) {
+            q[g] = lanes_nibble(unit + g * bytes + head + p * GROUP, high, KIND == Q4_0 ? 8 : 0);
+          }
+          for (int r = 0; r < R; r++) {
+            const Lanes xe = lanes_set(xu[r * ldx + p + high * UNIT / 2]);
+            for (int g = 0; g < G; g++) s[r][g] = lanes_fma(xe, q[g], s[r][g]);
+          }
         }
-        for (int r = 0; r < R; r++) {
-          const Lanes xe = lanes_set(xu[r * ldx + p + UNIT / 2]);
-          for (int g = 0; g < G; g++) acc[r][g] = lanes_fma(xe, w1[g], acc[r][g]);
+      };
+      half(std::integral_constant<int, 0>{});
+      half(std::integral_constant<int, 1>{});
+    }
+    for (int g = 0; g < G; g++) {
+      const Lanes d = lanes_halves(unit + g * bytes);
+      for (int r = 0; r < R; r++) {
+        float* a = acc + (r * G + g) * GROUP;
+        Lanes t = lanes_fma(d, s[r][g], lanes_load(a));
+        if constexpr (KIND == Q4_1) {
+          const Lanes m = lanes_halves(unit + g * bytes + 2 * GROUP);
+          t = lanes_fma(m, lanes_set(xsum[r * lds + u]), t);
         }
+        lanes_store(a, t);
       }
     }
+    // acc is memory here: without this the compiler keeps it in registers across the units
+    // and spills the sums s instead (the inner loop then ran at about 0.7x).
+    __asm__ volatile("" : : "r"(acc) : "memory");
   }
 }
 
-// out[r, c] = x[r] . W[c] for the m rows of x (k values each, contiguous) and rows c in
-// [c0, c1) of an interleaved W (n rows, n a multiple of GROUP), out rows ldo apart. The groups
-// covering [c0, c1) are multiplied whole and only the rows in range written. x's rows go 8, 4, 2
-// and 1 at a time, against 1, 2, 2 and 4 groups of a set (8 to 12 accumulators: enough chains
-// in flight for the FMAs' latency, few enough for the 16 registers); W goes by blocks of about
-// 128 KiB of whole sets, each used by every set of x's rows while it is in the L2 cache.
+// out[r, c] = x[r] . W[c] for the m rows of x (k values each, contiguous; xsum: their unit
+// sums, read for Q4_1) and rows c in [c0, c1) of an interleaved W (n rows, n a multiple of
+// GROUP), out rows ldo apart. The groups covering [c0, c1) are multiplied whole and only the rows
+// in range written. x's rows go 4, 2 and 1 at a time, against 2, 2 and 4 groups of a set (4 to
+// 8 sums in registers: enough chains in flight for the FMAs' latency, few enough that none is
+// spilled); W goes by blocks of about 128 KiB of whole sets, each used by every set of x's rows
+// while it is in the L2 cache.
 template <int64_t KIND>
-void interleaved_range(const float* x, int64_t m, const uint8_t* w, int64_t n, int64_t row_bytes,
-                       int64_t k, int64_t c0, int64_t c1, float* out, int64_t ldo) {
+void interleaved_range(const float* x, int64_t m, const float* xsum, const uint8_t* w, int64_t n,
+                       int64_t row_bytes, int64_t k, int64_t c0, int64_t c1, float* out,
+                       int64_t ldo) {
   const int64_t units = k / UNIT, groups = n / GROUP;
   const int64_t g0 = c0 / GROUP, g1 = std::min(groups, (c1 + GROUP - 1) / GROUP);
   const int64_t block = SET * std::max<int64_t>(1, (128 * 1024) / (SET * GROUP * row_bytes));
   auto tile = [&](auto rows, auto width, int64_t r, int64_t g) {
     constexpr int R = decltype(rows)::value, G = decltype(width)::value;
     const GroupAt at = group_at(g, groups, row_bytes, block_bytes<KIND>);
-    Lanes acc[R][G];
-    group_tile<KIND, R, G>(x + r * k, k, w + at.offset, at.unit_stride, units, acc);
+    alignas(32) float acc[R * G * GROUP];
+    const float* sums = KIND == Q4_1 ? xsum + r * units : nullptr;
+    group_tile<KIND, R, G>(x + r * k, k, sums, units, w + at.offset, at.unit_stride, units, acc);
     for (int i = 0; i < R; i++) {
       for (int j = 0; j < G; j++) {
         const int64_t c = (g + j) * GROUP;
+        const float* lanes = acc + (i * G + j) * GROUP;
         float* o = out + (r + i) * ldo;
-        if (c >= c0 && c + GROUP <= c1) {
-          lanes_store(o + c, acc[i][j]);
-        } else {
-          float lanes[GROUP];
-          lanes_store(lanes, acc[i][j]);
-          for (int64_t l = std::max<int64_t>(c, c0); l < std::min<int64_t>(c + GROUP, c1); l++)
-            o[l] = lanes[l - c];
-        }
+        for (int64_t l = std::max<int64_t>(c, c0); l < std::min<int64_t>(c + GROUP, c1); l++)
+          o[l] = lanes[l - c];
       }
     }
   };
@@ -289,8 +343,6 @@ void interleaved_range(const float* x, int64_t m, const uint8_t* w, int64_t n, i
   for (int64_t b0 = g0; b0 < g1; b0 = (b0 / block + 1) * block) {
     const int64_t b1 = std::min(g1, (b0 / block + 1) * block);
     int64_t r = 0;
-    for (; r + 8 <= m; r += 8)
-      rows(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{}, r, b0, b1);
     for (; r + 4 <= m; r += 4)
       rows(std::integral_constant<int, 4>{}, std::integral_constant<int, 2>{}, r, b0, b1);
     for (; r + 2 <= m; r += 2)
@@ -358,7 +410,7 @@ inline void rows_range(int64_t kind, const float* x, int64_t m, const float* xsu
                        int64_t c1, float* out, int64_t ldo) {
   if (kind & INTERLEAVED) {
     with_interleaved_kind(kind, [&](auto kc) {
-      interleaved_range<decltype(kc)::value>(x, m, w, n, row_bytes, k, c0, c1, out, ldo);
+      interleaved_range<decltype(kc)::value>(x, m, xsum, w, n, row_bytes, k, c0, c1, out, ldo);
     });
   } else {
     matvec_range(kind, x, m, xsum, w, row_bytes, k, c0, c1, out, ldo);

@@ -66,8 +66,8 @@ inline int64_t row_path_rows(int64_t kind) {
 // The matrix-vector path: rows of W split over torch's intra-op threads (quant.h matvec_range).
 void qmatmul_rows(int64_t kind, const float* x, int64_t m, const uint8_t* w, int64_t row_bytes,
                   int64_t n, int64_t k, float* out) {
-  std::vector<float> xsum(needs_unit_sums(kind) ? m * (k / UNIT) : 0);  // (m, units)
-  if (needs_unit_sums(kind)) unit_sums(x, m, k, xsum.data());
+  std::vector<float> xsum(reads_unit_sums(kind) ? m * (k / UNIT) : 0);  // (m, units)
+  if (reads_unit_sums(kind)) unit_sums(x, m, k, xsum.data());
   // Rows: about 16k values of work, in whole sets of interleaved rows (interleaved.h).
   const int64_t grain = std::max<int64_t>(SET * GROUP, 16384 / k / (SET * GROUP) * SET * GROUP);
   at::parallel_for(0, n, grain, [&](int64_t c0, int64_t c1) {

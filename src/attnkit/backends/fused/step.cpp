@@ -362,7 +362,7 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
   });
   bool any_sums = false;  // whether some row kernel reads x's unit sums (quant.h)
   for (const Matrix& mat : M.mats)
-    for (const Part& p : mat.parts) any_sums = any_sums || needs_unit_sums(p.kind);
+    for (const Part& p : mat.parts) any_sums = any_sums || reads_unit_sums(p.kind);
   // The unit sums of v's m rows of k, where a row kernel reads them (the tile path needs none).
   auto sums = [&](const float* v, int64_t m, int64_t k) -> const float* {
     if (m > STEP_ROWS || !any_sums) return nullptr;
