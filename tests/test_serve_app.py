@@ -534,6 +534,43 @@ def test_choices_that_do_not_all_fit_the_queue_are_429_and_none_runs(llm) -> Non
         assert not engine.waiting and not engine.running
 
 
+def test_the_event_loop_is_woken_once_a_step_not_once_a_token(llm, monkeypatch) -> None:
+    """Eight streams decoding together: the engine hands each step's tokens to the event loop
+    in one call (and a request's last event at once), not one call per token."""
+    import asyncio
+    import functools
+
+    import uvicorn
+
+    calls = []
+    wake = asyncio.BaseEventLoop.call_soon_threadsafe
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[0])
+        return wake(self, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "call_soon_threadsafe", counted)
+    # asyncio's own loop, whose method is patched above (uvicorn would take uvloop's)
+    monkeypatch.setattr(uvicorn, "Config", functools.partial(uvicorn.Config, loop="asyncio"))
+    engine = Engine(llm.model, num_blocks=96, block_size=8, eos_id=llm.eos_id)
+    body = {"model": NAME, "prompt": "Hi", "max_tokens": 24, "stream": True, "ignore_eos": True}
+    with LiveServer(create_app(llm, engine, model_name=NAME)) as url:
+
+        def ask(_):
+            with requests.post(url + "/v1/completions", json=body, stream=True, timeout=30) as r:
+                return [line for line in r.iter_lines() if line][-1]
+
+        steps, tokens = engine.counters["steps"], engine.counters["generated_tokens"]
+        before = len(calls)
+        with ThreadPoolExecutor(8) as pool:
+            ends = list(pool.map(ask, range(8)))
+        steps = engine.counters["steps"] - steps
+        tokens = engine.counters["generated_tokens"] - tokens
+        woken = len(calls) - before
+    assert ends == [b"data: [DONE]"] * 8 and tokens == 8 * 24
+    assert woken <= steps + 2 * 8, f"{woken} wake-ups for 8 x 24 tokens in {steps} steps"
+
+
 def test_the_pool_is_whole_after_the_run(server) -> None:
     url, engine = server
     m = settle(url)

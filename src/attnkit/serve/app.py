@@ -11,9 +11,10 @@ that can never succeed (unknown model, empty messages, ``max_tokens`` < 1 or pas
 a prompt longer than the context, ``temperature`` outside 0..2, ``top_p`` outside (0, 1]),
 429 when the waiting queue is full, 503 while shutting down. A client's mistake is never a 500.
 
-Each request's tokens come from the engine's thread as events, handed to the event loop with
-``call_soon_threadsafe``. When the client goes away (a stream closed, a request dropped), its
-sequence is cancelled and its KV blocks return to the pool at the engine's next step.
+Each request's tokens come from the engine's thread as events, handed to the event loop a step
+at a time (one ``call_soon_threadsafe`` after each engine step). When the client goes away (a
+stream closed, a request dropped), its sequence is cancelled and its KV blocks return to the
+pool at the engine's next step.
 
 At start the application loads the compiled paged-attention kernel if a verified build is
 cached (``attnkit kernels build`` makes one; nothing is compiled here), and the engine's steps
@@ -23,6 +24,7 @@ take it (``attnkit.serve.forward``); otherwise they take the reference and the l
 # No ``from __future__ import annotations``: FastAPI reads the handlers' annotations at runtime,
 # and ``Request`` is imported inside ``create_app`` (FastAPI is an optional dependency).
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -101,15 +103,47 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
             "attnkit serve needs FastAPI and uvicorn: pip install 'attnkit[serve]'", name=err.name
         ) from err
 
+    # The engine's events wait in ``outbox`` and reach the requests' queues on the event loop,
+    # a step's worth at a time: the engine wakes the loop once after each step (``flush``), or
+    # at once for a request's last event. Waking the loop for every token had it take the GIL
+    # back and forth with the engine's thread eight times a step with eight clients.
+    outbox: collections.deque = collections.deque()  # (queue, (token, reason)), in order
+    pending = [False]  # a ``deliver`` is scheduled and has not begun
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    def deliver() -> None:  # on the event loop
+        pending[0] = False
+        while outbox:
+            events, item = outbox.popleft()
+            events.put_nowait(item)
+
+    def flush() -> None:  # any thread
+        if outbox and loops and not pending[0]:
+            pending[0] = True
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens
+                loops[0].call_soon_threadsafe(deliver)
+
+    def attach() -> None:  # on the event loop: at start, or at the first request without one
+        if not loops:
+            loops.append(asyncio.get_running_loop())
+            engine.after_step.append(flush)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
+        attach()
         reason = await asyncio.to_thread(use_fused_kernel)  # the cached build only
         if reason is not None:
             _log.info("attnkit serve: paged attention takes the reference: %s", reason)
         if not engine.started:
             engine.start()
-        yield
-        await asyncio.to_thread(engine.stop, shutdown_timeout)
+        try:
+            yield
+            await asyncio.to_thread(engine.stop, shutdown_timeout)
+        finally:
+            flush()
+            with contextlib.suppress(ValueError):
+                engine.after_step.remove(flush)
+            loops.clear()
 
     app = FastAPI(title="attnkit serve", lifespan=lifespan)
     created = int(time.time())
@@ -218,13 +252,14 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
             raise ApiError(
                 400, f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos"
             )
-        loop = asyncio.get_running_loop()
+        attach()
         choices: list[tuple[Generation, asyncio.Queue]] = []
 
         def listener(events: asyncio.Queue) -> Any:
             def on_event(token: int | None, reason: str | None) -> None:
-                with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens
-                    loop.call_soon_threadsafe(events.put_nowait, (token, reason))
+                outbox.append((events, (token, reason)))
+                if reason is not None:  # the last event: it may come outside a step
+                    flush()
 
             return on_event
 

@@ -261,6 +261,9 @@ class Engine:
         self._accepting = True
         self._abort = False
         self._thread: threading.Thread | None = None
+        # Called after every step, on the thread that ran it: a server hands the step's events
+        # to its event loop at once here instead of waking the loop for each token.
+        self.after_step: list[Callable[[], None]] = []
         self._snapshot()
 
     # --- the callers' side (any thread) --------------------------------------------------------
@@ -409,6 +412,9 @@ class Engine:
             self._step()
         finally:
             self._snapshot()
+            for fn in self.after_step:
+                with contextlib.suppress(Exception):  # a listener's failure is its own
+                    fn()
 
     def _snapshot(self) -> None:
         """Gauges for other threads (``/metrics``), replaced whole after every step."""
