@@ -108,42 +108,42 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
     # at once for a request's last event. Waking the loop for every token had it take the GIL
     # back and forth with the engine's thread eight times a step with eight clients.
     outbox: collections.deque = collections.deque()  # (queue, (token, reason)), in order
-    pending = [False]  # a ``deliver`` is scheduled and has not begun
-    loops: list[asyncio.AbstractEventLoop] = []
+    loop: asyncio.AbstractEventLoop | None = None
+    pending = False  # a ``deliver`` is scheduled and has not begun
 
     def deliver() -> None:  # on the event loop
-        pending[0] = False
+        nonlocal pending
+        pending = False
         while outbox:
             events, item = outbox.popleft()
             events.put_nowait(item)
 
     def flush() -> None:  # any thread
-        if outbox and loops and not pending[0]:
-            pending[0] = True
+        nonlocal pending
+        if outbox and loop is not None and not pending:
+            pending = True
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens
-                loops[0].call_soon_threadsafe(deliver)
+                loop.call_soon_threadsafe(deliver)
 
     def attach() -> None:  # on the event loop: at start, or at the first request without one
-        if not loops:
-            loops.append(asyncio.get_running_loop())
+        nonlocal loop
+        if loop is None:
+            loop = asyncio.get_running_loop()
             engine.after_step.append(flush)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
+        nonlocal loop
         attach()
         reason = await asyncio.to_thread(use_fused_kernel)  # the cached build only
         if reason is not None:
             _log.info("attnkit serve: paged attention takes the reference: %s", reason)
         if not engine.started:
             engine.start()
-        try:
-            yield
-            await asyncio.to_thread(engine.stop, shutdown_timeout)
-        finally:
-            flush()
-            with contextlib.suppress(ValueError):
-                engine.after_step.remove(flush)
-            loops.clear()
+        yield
+        await asyncio.to_thread(engine.stop, shutdown_timeout)
+        engine.after_step.remove(flush)
+        loop = None
 
     app = FastAPI(title="attnkit serve", lifespan=lifespan)
     created = int(time.time())
