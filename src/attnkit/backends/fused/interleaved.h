@@ -8,31 +8,36 @@
 // same element of all 8 rows:
 //
 //   kind  per block of a group (8 rows x 32 values)                  bytes (= 8 blocks)
-//   Q4_0  d[8] f16, qs[16][8]                                        16 + 128 = 144
-//   Q4_1  d[8] f16, m[8] f16, qs[16][8]                              32 + 128 = 160
+//   Q4_0  d[8] f16, qs[4][8] u32                                     16 + 128 = 144
+//   Q4_1  d[8] f16, m[8] f16, qs[4][8] u32                           32 + 128 = 160
 //   Q8_0  d[8] f16, q[32][8] int8                                    16 + 256 = 272
 //
-// where qs[p][j] is byte p of row j's own block (its low nibble is element p, its high nibble
-// element p + 16, as in GGUF) and q[e][j] is element e of row j. Groups go by fours ("sets":
-// 32 rows, the last set of a matrix may hold fewer groups) whose blocks alternate: a set's unit
-// 0 of its groups 0, 1, 2, 3, then unit 1 of each, and so on. One row of x multiplies a set's
-// four groups at once and so reads the set as one stream (a stream per group read from memory
-// ran at 0.8-0.9x GGUF's rows; one stream, 1.0-1.2x). Set s is the bytes of rows 32 s ..
-// 32 s + 31 of the (n, row_bytes) tensor: the same bytes, rearranged (``interleave``).
+// where qs[t][j] is bytes 4 t .. 4 t + 3 of row j's own block, as one little-endian word: its
+// nibble at bits 8 b .. 8 b + 3 is element 4 t + b, and at 8 b + 4 .. 8 b + 7 element
+// 4 t + b + 16 (GGUF's low and high nibbles of byte 4 t + b); q[e][j] is element e of row j.
+// Groups go by fours ("sets": 32 rows, the last set of a matrix may hold fewer groups) whose
+// blocks alternate: a set's unit 0 of its groups 0, 1, 2, 3, then unit 1 of each, and so on.
+// One row of x multiplies a set's four groups at once and so reads the set as one stream (a
+// stream per group read from memory ran at 0.8-0.9x GGUF's rows; one stream, 1.0-1.2x). Set s
+// is the bytes of rows 32 s .. 32 s + 31 of the (n, row_bytes) tensor: the same bytes,
+// rearranged (``interleave``).
 //
 // A product then multiplies 8 rows' element e, as exact small integers (the nibbles, minus 8
 // for Q4_0, or the int8 values) in one vector, into one sum per row of x with a broadcast
-// x[r][e]: no sum across lanes, and one vector of W serves every row of x. The block's scales
-// come in once per block, as in the GGUF-row kernels (quant.h's ``matvec``): s = x . q over
-// its 32 values, then d s (and m sum(x) for Q4_1) added to the output. Each output (row r of
-// x, row c of W) is so one fixed sequence of FMAs, block by block (within a block elements
-// 0 .. 31 in order), however many rows of x or groups of W a call takes at once: a row's
-// result is the same bits alone and in a batch. Against float64, the products of SmolLM2's
-// matrices are as close as when each value was de-quantised first (largest relative error
-// 0.2-0.7e-6 against 0.5-1.1e-6). On a Zen 3 class core (2 threads, SmolLM2-135M's Q4_1 and
-// Q8_0 matrices, in-process) a decoding step of one sequence took 0.66-0.86x the time of the
-// kernel that de-quantised every value (q d + m) first (three runs, alternating), and one of
-// 8 sequences 0.92-1.28x (the products alone: 0.97-1.02x).
+// x[r][e]: no sum across lanes, and one vector of W serves every row of x. A Q4 word gives its
+// 8 nibbles without a shuffle: the one at position i (bits 4 i .. 4 i + 3) is masked in place
+// and converted, q 2^4i, and x comes with each unit's values in position order, scaled by
+// 2^-4i (``nibble_order``): x 2^-4i times q 2^4i is x q exactly (powers of two), so the
+// product is the one of x and q. The block's scales come in once per block, as in the
+// GGUF-row kernels (quant.h's ``matvec``): s = x . q over its 32 values, then d s (and
+// m sum(x) for Q4_1) added to the output. Each output (row r of x, row c of W) is so one fixed
+// sequence of FMAs, block by block (within a block in the order the values are read), however
+// many rows of x or groups of W a call takes at once: a row's result is the same bits alone
+// and in a batch. Against float64, the products of SmolLM2's matrices are as close as when
+// each value was de-quantised first (largest relative error 0.2-0.7e-6 against 0.5-1.1e-6).
+// On a Zen 3 class core (2 threads, SmolLM2-135M, the serving step, steps of this layout and
+// of bytes interleaved one by one alternating): a step of one sequence 0.92x the time, a step
+// of 8 sequences 0.89x (medians of about 195 paired steps each).
 //
 // Without AVX2 the same arithmetic runs on 8 floats with std::fma: the same bits, slowly (a
 // build that prefers GGUF's layout only meets this one in tests).
@@ -104,7 +109,14 @@ inline void interleave_rows(int64_t kind, const uint8_t* w, int64_t n, int64_t r
           const uint8_t* b = w + (g * GROUP + j) * row_bytes + u * f.bytes;
           std::memcpy(o + 2 * j, b, 2);                                      // d
           if (kind == Q4_1) std::memcpy(o + 2 * GROUP + 2 * j, b + 2, 2);  // m
-          for (int64_t e = 0; e < body; e++) o[GROUP * head + e * GROUP + j] = b[head + e];
+          uint8_t* values = o + GROUP * head;
+          if (kind == Q8_0) {  // element e of the 8 rows together
+            for (int64_t e = 0; e < body; e++) values[e * GROUP + j] = b[head + e];
+          } else {  // word t (bytes 4 t .. 4 t + 3) of the 8 rows together
+            for (int64_t e = 0; e < body; e++) {
+              values[(e / 4 * GROUP + j) * 4 + e % 4] = b[head + e];
+            }
+          }
         }
       }
     }
@@ -130,16 +142,23 @@ inline Lanes lanes_int8s(const uint8_t* p) {  // 8 int8
   const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
 }
-inline void lanes_nibbles(const uint8_t* p, Lanes& low, Lanes& high) {  // 8 bytes' nibbles
-  const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  low = _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)));
-  high = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+// 8 words: word t of a Q4 group's 8 rows.
+using Words = __m256i;
+inline Words words_load(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
-// 8 bytes' low (high = 0) or high nibbles minus ``offset``: exact small integers.
-inline Lanes lanes_nibble(const uint8_t* p, int high, int offset) {
-  __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  q = high ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(0x0F));
-  if (offset) q = _mm256_sub_epi32(q, _mm256_set1_epi32(offset));
+// Each word's nibble at bits shift .. shift + 3, as a float.
+inline Lanes words_nibble(Words v, int shift) {
+  const __m256i q = _mm256_srli_epi32(v, shift);
+  return _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)));
+}
+// Each word's nibble at position I (bits 4 I .. 4 I + 3), minus 8 for Q4_0, times 2^4I (I = 7:
+// times 1, so that the integer stays positive before the conversion): exact integers.
+template <int I, bool MINUS_8>
+inline Lanes words_placed(Words v) {
+  __m256i q = I == 7 ? _mm256_srli_epi32(v, 28)
+                     : _mm256_and_si256(v, _mm256_set1_epi32(0xF << 4 * I));
+  if constexpr (MINUS_8) q = _mm256_sub_epi32(q, _mm256_set1_epi32(8 << 4 * (I % 7)));
   return _mm256_cvtepi32_ps(q);
 }
 #else
@@ -180,20 +199,70 @@ inline Lanes lanes_int8s(const uint8_t* p) {
   for (int j = 0; j < GROUP; j++) l.v[j] = static_cast<float>(static_cast<int8_t>(p[j]));
   return l;
 }
-inline void lanes_nibbles(const uint8_t* p, Lanes& low, Lanes& high) {
-  for (int j = 0; j < GROUP; j++) {
-    low.v[j] = static_cast<float>(p[j] & 0x0F);
-    high.v[j] = static_cast<float>(p[j] >> 4);
-  }
+struct Words {
+  uint32_t v[GROUP];
+};
+inline Words words_load(const uint8_t* p) {
+  Words w;
+  std::memcpy(w.v, p, sizeof(w.v));
+  return w;
 }
-inline Lanes lanes_nibble(const uint8_t* p, int high, int offset) {
+inline Lanes words_nibble(Words v, int shift) {
+  Lanes l;
+  for (int j = 0; j < GROUP; j++) l.v[j] = static_cast<float>((v.v[j] >> shift) & 0x0F);
+  return l;
+}
+template <int I, bool MINUS_8>
+inline Lanes words_placed(Words v) {
   Lanes l;
   for (int j = 0; j < GROUP; j++) {
-    l.v[j] = static_cast<float>((high ? p[j] >> 4 : p[j] & 0x0F) - offset);
+    int32_t q = static_cast<int32_t>(I == 7 ? v.v[j] >> 28 : v.v[j] & (0xFu << 4 * I));
+    if constexpr (MINUS_8) q -= 8 << 4 * (I % 7);
+    l.v[j] = static_cast<float>(q);
   }
   return l;
 }
 #endif
+
+// f(std::integral_constant<int, i>{}) for the nibble positions i = 0 .. 7 of a Q4 word.
+template <typename F, int... I>
+inline void for_each_position(F& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <typename F>
+inline void for_positions(F&& f) {
+  for_each_position(f, std::make_integer_sequence<int, 8>{});
+}
+
+// x as the interleaved Q4 products read it: each unit's 32 values in the order of the nibble
+// positions of its words (position i of word t: element 4 t + i / 2, plus 16 for odd i), each
+// scaled by 2^-4i (i < 7) to meet the nibble masked in place (words_placed). The scaling is
+// exact unless a value is below 2^-98 in magnitude (then it loses bits as a subnormal).
+inline void nibble_order(const float* x, int64_t m, int64_t k, float* out) {
+  static constexpr float scale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f,
+                                     0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+  for (int64_t at = 0; at < m * k; at += UNIT) {  // unit by unit (k is a multiple of UNIT)
+    const float* xu = x + at;
+    float* o = out + at;
+    for (int t = 0; t < UNIT / 8; t++) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+      const __m128 low = _mm_loadu_ps(xu + 4 * t), high = _mm_loadu_ps(xu + 4 * t + UNIT / 2);
+      const __m256 v = _mm256_set_m128(_mm_unpackhi_ps(low, high), _mm_unpacklo_ps(low, high));
+      _mm256_storeu_ps(o + 8 * t, _mm256_mul_ps(v, _mm256_loadu_ps(scale)));
+#else
+      for (int b = 0; b < 4; b++) {
+        o[8 * t + 2 * b] = xu[4 * t + b] * scale[2 * b];
+        o[8 * t + 2 * b + 1] = xu[4 * t + b + UNIT / 2] * scale[2 * b + 1];
+      }
+#endif
+    }
+  }
+}
+
+// Whether the products of W of this kind read x in nibble_order: the interleaved Q4 kinds.
+constexpr bool reads_nibble_order(int64_t kind) {
+  return kind == (INTERLEAVED | Q4_0) || kind == (INTERLEAVED | Q4_1);
+}
 
 // Units ahead of its reading a tile asks for its bytes (group_tile): with 4, 8 and 16 the
 // products of 1 and 8 rows of x by a Q4_1 W read from memory ran at 0.93-1.05x, 0.98-1.18x and
@@ -214,8 +283,8 @@ struct GroupBlock {
   // Elements p and p + 16 (Q4), exactly gguf's values: q d is exact in float32, so Q4_1's one
   // FMA rounds as gguf's product-then-sum does.
   void pair(int p, Lanes& w0, Lanes& w1) const {
-    Lanes low, high;
-    lanes_nibbles(values + p * GROUP, low, high);
+    const Words v = words_load(values + p / 4 * GROUP * 4);  // word p / 4, byte p % 4
+    const Lanes low = words_nibble(v, 8 * (p % 4)), high = words_nibble(v, 8 * (p % 4) + 4);
     if constexpr (KIND == Q4_0) {  // (q - 8) d: a zero keeps d's sign, as gguf's
       w0 = lanes_mul(lanes_add(low, offset), d);
       w1 = lanes_mul(lanes_add(high, offset), d);
@@ -261,22 +330,20 @@ inline void group_tile(const float* x, int64_t ldx, const float* xsum, int64_t l
         }
       }
     } else {
-      // Elements 0 .. 15 (low nibbles), then 16 .. 31 (high): a byte is read twice, so that
-      // only one vector per group is live (with both halves the sums did not fit the registers).
-      auto half = [&](auto high) {
-        for (int p = 0; p < UNIT / 2; p++) {
+      // Word by word, its 8 nibble positions in turn; x in the same order (nibble_order).
+      for (int t = 0; t < UNIT / 8; t++) {
+        Words v[G];
+        for (int g = 0; g < G; g++) v[g] = words_load(unit + g * bytes + head + t * 4 * GROUP);
+        for_positions([&](auto position) {
+          constexpr int i = decltype(position)::value;
           Lanes q[G];
-          for (int g = 0; g < G; g++) {
-            q[g] = lanes_nibble(unit + g * bytes + head + p * GROUP, high, KIND == Q4_0 ? 8 : 0);
-          }
+          for (int g = 0; g < G; g++) q[g] = words_placed<i, KIND == Q4_0>(v[g]);
           for (int r = 0; r < R; r++) {
-            const Lanes xe = lanes_set(xu[r * ldx + p + high * UNIT / 2]);
+            const Lanes xe = lanes_set(xu[r * ldx + 8 * t + i]);
             for (int g = 0; g < G; g++) s[r][g] = lanes_fma(xe, q[g], s[r][g]);
           }
-        }
-      };
-      half(std::integral_constant<int, 0>{});
-      half(std::integral_constant<int, 1>{});
+        });
+      }
     }
     for (int g = 0; g < G; g++) {
       const Lanes d = lanes_halves(unit + g * bytes);
@@ -297,16 +364,17 @@ inline void group_tile(const float* x, int64_t ldx, const float* xsum, int64_t l
 }
 
 // out[r, c] = x[r] . W[c] for the m rows of x (k values each, contiguous; xsum: their unit
-// sums, read for Q4_1) and rows c in [c0, c1) of an interleaved W (n rows, n a multiple of
-// GROUP), out rows ldo apart. The groups covering [c0, c1) are multiplied whole and only the rows
-// in range written. x's rows go 4, 2 and 1 at a time, against 2, 2 and 4 groups of a set (4 to
-// 8 sums in registers: enough chains in flight for the FMAs' latency, few enough that none is
-// spilled); W goes by blocks of about 128 KiB of whole sets, each used by every set of x's rows
-// while it is in the L2 cache.
+// sums, read for Q4_1; placed: x in nibble_order, read for Q4_0 and Q4_1) and rows c in
+// [c0, c1) of an interleaved W (n rows, n a multiple of GROUP), out rows ldo apart. The groups
+// covering [c0, c1) are multiplied whole and only the rows in range written. x's rows go 4, 2
+// and 1 at a time, against 2, 2 and 4 groups of a set (4 to 8 sums in registers: enough chains
+// in flight for the FMAs' latency, few enough that none is spilled); W goes by blocks of about
+// 128 KiB of whole sets, each used by every set of x's rows while it is in the L2 cache.
 template <int64_t KIND>
-void interleaved_range(const float* x, int64_t m, const float* xsum, const uint8_t* w, int64_t n,
-                       int64_t row_bytes, int64_t k, int64_t c0, int64_t c1, float* out,
-                       int64_t ldo) {
+void interleaved_range(const float* x, int64_t m, const float* xsum, const float* placed,
+                       const uint8_t* w, int64_t n, int64_t row_bytes, int64_t k, int64_t c0,
+                       int64_t c1, float* out, int64_t ldo) {
+  if constexpr (KIND != Q8_0) x = placed;  // the Q4 words' nibble order (nibble_order)
   const int64_t units = k / UNIT, groups = n / GROUP;
   const int64_t g0 = c0 / GROUP, g1 = std::min(groups, (c1 + GROUP - 1) / GROUP);
   const int64_t block = SET * std::max<int64_t>(1, (128 * 1024) / (SET * GROUP * row_bytes));
@@ -321,8 +389,12 @@ void interleaved_range(const float* x, int64_t m, const float* xsum, const uint8
         const int64_t c = (g + j) * GROUP;
         const float* lanes = acc + (i * G + j) * GROUP;
         float* o = out + (r + i) * ldo;
-        for (int64_t l = std::max<int64_t>(c, c0); l < std::min<int64_t>(c + GROUP, c1); l++)
-          o[l] = lanes[l - c];
+        if (c >= c0 && c + GROUP <= c1) {  // the group's 8 rows, as one vector
+          lanes_store(o + c, lanes_load(lanes));
+        } else {
+          for (int64_t l = std::max<int64_t>(c, c0); l < std::min<int64_t>(c + GROUP, c1); l++)
+            o[l] = lanes[l - c];
+        }
       }
     }
   };
@@ -404,13 +476,15 @@ void interleaved_tiles(const float* x, int64_t m, const uint8_t* w, int64_t row_
   });
 }
 
-// Products of either layout over rows [c0, c1): interleaved kinds here, GGUF's by matvec_range.
+// Products of either layout over rows [c0, c1): interleaved kinds here, GGUF's by matvec_range
+// (placed: x in nibble_order where reads_nibble_order(kind)).
 inline void rows_range(int64_t kind, const float* x, int64_t m, const float* xsum,
-                       const uint8_t* w, int64_t n, int64_t row_bytes, int64_t k, int64_t c0,
-                       int64_t c1, float* out, int64_t ldo) {
+                       const float* placed, const uint8_t* w, int64_t n, int64_t row_bytes,
+                       int64_t k, int64_t c0, int64_t c1, float* out, int64_t ldo) {
   if (kind & INTERLEAVED) {
     with_interleaved_kind(kind, [&](auto kc) {
-      interleaved_range<decltype(kc)::value>(x, m, xsum, w, n, row_bytes, k, c0, c1, out, ldo);
+      interleaved_range<decltype(kc)::value>(x, m, xsum, placed, w, n, row_bytes, k, c0, c1, out,
+                                             ldo);
     });
   } else {
     matvec_range(kind, x, m, xsum, w, row_bytes, k, c0, c1, out, ldo);

@@ -68,11 +68,13 @@ void qmatmul_rows(int64_t kind, const float* x, int64_t m, const uint8_t* w, int
                   int64_t n, int64_t k, float* out) {
   std::vector<float> xsum(reads_unit_sums(kind) ? m * (k / UNIT) : 0);  // (m, units)
   if (reads_unit_sums(kind)) unit_sums(x, m, k, xsum.data());
+  std::vector<float> placed(reads_nibble_order(kind) ? m * k : 0);  // (m, k)
+  if (reads_nibble_order(kind)) nibble_order(x, m, k, placed.data());
   // Rows: about 16k values of work, in whole sets of interleaved rows (interleaved.h).
   const int64_t grain = std::max<int64_t>(SET * GROUP, 16384 / k / (SET * GROUP) * SET * GROUP);
   at::parallel_for(0, n, grain, [&](int64_t c0, int64_t c1) {
     note_thread();
-    rows_range(kind, x, m, xsum.data(), w, n, row_bytes, k, c0, c1, out, n);
+    rows_range(kind, x, m, xsum.data(), placed.data(), w, n, row_bytes, k, c0, c1, out, n);
   });
 }
 

@@ -605,11 +605,17 @@ constexpr bool needs_unit_sums(int64_t kind) {
 // The sums of x's units (m rows of k values: (m, k / UNIT)), which Q4_1's products need for
 // the m sum(x) term of each block.
 inline void unit_sums(const float* x, int64_t m, int64_t k, float* out) {
-  const int64_t units = k / UNIT;
-  for (int64_t x_u = 0; x_u < m * units; x_u++) {
-    const float* p = x + (x_u / units) * k + (x_u % units) * UNIT;
-    out[x_u] = std::accumulate(p, p + UNIT, 0.0f);
+  // Each sum in order over its unit's values, 8 units at a time (the rows' units are
+  // consecutive: m k / UNIT of them) so that 8 chains of additions are in flight, not one.
+  const int64_t all = m * (k / UNIT);
+  int64_t u = 0;
+  for (; u + 8 <= all; u += 8) {
+    float s[8] = {};
+    for (int e = 0; e < UNIT; e++)
+      for (int j = 0; j < 8; j++) s[j] += x[(u + j) * UNIT + e];
+    std::copy_n(s, 8, out + u);
   }
+  for (; u < all; u++) out[u] = std::accumulate(x + u * UNIT, x + (u + 1) * UNIT, 0.0f);
 }
 
 // out[r, c] = x[r] . W[c] for rows c in [c0, c1) of W (``kind``, rows of row_bytes) and the m

@@ -63,7 +63,8 @@ struct Matrix {
 struct Job {
   const Matrix* mat;
   const float* x;
-  const float* xsum;  // unit_sums of x (Q4_1's m sum(x) term; the row kernels only)
+  const float* xsum;    // unit_sums of x (Q4_1's m sum(x) term; the row kernels only)
+  const float* placed;  // x in nibble_order (interleaved Q4 kinds; the row kernels only)
   float* out;
 };
 
@@ -109,7 +110,7 @@ void products(std::initializer_list<Job> jobs, int64_t m) {
         const int64_t lo = std::max(r0, base + p.first);
         const int64_t hi = std::min(r1, base + p.first + p.n);
         if (lo < hi) {
-          rows_range(p.kind, j.x, m, j.xsum, p.w, p.n, p.row_bytes, j.mat->k,
+          rows_range(p.kind, j.x, m, j.xsum, j.placed, p.w, p.n, p.row_bytes, j.mat->k,
                      lo - base - p.first, hi - base - p.first, j.out + p.first, j.mat->n);
         }
       }
@@ -353,21 +354,30 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
   const int64_t rows = std::max(t, n_out);
   Floats x(t * e), y(rows * e), qkv(t * nqkv), attn(t * nq), proj(t * e), gate(t * f),
       up(t * f);
-  Floats xsum(rows * (std::max(e, std::max(nq, f)) / UNIT + 1));
+  const int64_t widest = std::max(e, std::max(nq, f));
+  Floats xsum(rows * (widest / UNIT + 1)), placed(rows * widest);
   with_kind(M.embed_kind, [&](auto kc) {
     for (int64_t r = 0; r < t; r++) {
       dequantize_row<decltype(kc)::value>(M.embed + id[r] * M.embed_row_bytes, e,
                                           x.data() + r * e);
     }
   });
-  bool any_sums = false;  // whether some row kernel reads x's unit sums (quant.h)
-  for (const Matrix& mat : M.mats)
-    for (const Part& p : mat.parts) any_sums = any_sums || reads_unit_sums(p.kind);
-  // The unit sums of v's m rows of k, where a row kernel reads them (the tile path needs none).
-  auto sums = [&](const float* v, int64_t m, int64_t k) -> const float* {
-    if (m > STEP_ROWS || !any_sums) return nullptr;
-    unit_sums(v, m, k, xsum.data());
-    return xsum.data();
+  // Whether some row kernel reads x's unit sums (quant.h), or x in nibble order (interleaved.h).
+  bool any_sums = false, any_placed = false;
+  for (const Matrix& mat : M.mats) {
+    for (const Part& p : mat.parts) {
+      any_sums = any_sums || reads_unit_sums(p.kind);
+      any_placed = any_placed || reads_nibble_order(p.kind);
+    }
+  }
+  // A product's job: the unit sums of x's m rows of k and x in nibble order, where a row kernel
+  // reads them (the tile path needs neither).
+  auto job = [&](const Matrix* mat, const float* x, int64_t m, float* out) -> Job {
+    const bool rows = m <= STEP_ROWS;
+    if (rows && any_sums) unit_sums(x, m, mat->k, xsum.data());
+    if (rows && any_placed) nibble_order(x, m, mat->k, placed.data());
+    return {mat, x, rows && any_sums ? xsum.data() : nullptr,
+            rows && any_placed ? placed.data() : nullptr, out};
   };
   auto add_into_x = [&](const float* v) {  // the residual: x += v
     at::vec::map2([](Vec a, Vec b) { return a + b; }, x.data(), x.data(), v, t * e);
@@ -375,7 +385,7 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
   for (int64_t l = 0; l < M.layers; l++) {
     const Matrix* m = M.mats.data() + 5 * l;  // in_proj, out_proj, gate, up, down
     rms_norm(x.data(), t, e, M.norms[2 * l], M.eps, y.data());
-    products({{&m[0], y.data(), sums(y.data(), t, e), qkv.data()}}, t);
+    products({job(&m[0], y.data(), t, qkv.data())}, t);
     for (int64_t r = 0; r < t; r++) {
       float* row = qkv.data() + r * nqkv;
       const float* c = M.cos + pos[r] * d;
@@ -384,15 +394,15 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
       rope(row + nq, hk, d, c, s);
     }
     attend(l, qkv.data(), attn.data());
-    products({{&m[1], attn.data(), sums(attn.data(), t, nq), proj.data()}}, t);
+    products({job(&m[1], attn.data(), t, proj.data())}, t);
     add_into_x(proj.data());
     rms_norm(x.data(), t, e, M.norms[2 * l + 1], M.eps, y.data());
-    const float* ys = sums(y.data(), t, e);
-    products({{&m[2], y.data(), ys, gate.data()}, {&m[3], y.data(), ys, up.data()}}, t);
+    const Job gate_job = job(&m[2], y.data(), t, gate.data());  // m[3] reads the same x
+    products({gate_job, {&m[3], y.data(), gate_job.xsum, gate_job.placed, up.data()}}, t);
     // silu(gate) * up, silu(g) = g / (1 + exp(-g)), as torch's vectorised silu
     at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.0f) + g.neg().exp()) * u; }, gate.data(),
                   gate.data(), up.data(), t * f);
-    products({{&m[4], gate.data(), sums(gate.data(), t, f), proj.data()}}, t);
+    products({job(&m[4], gate.data(), t, proj.data())}, t);
     add_into_x(proj.data());
   }
   if (out_rows != nullptr) {  // the rows asked for, gathered (a row may be asked for twice)
@@ -404,7 +414,7 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
   } else {
     rms_norm(x.data(), t, e, M.norms[2 * M.layers], M.eps, y.data());
   }
-  products({{&M.mats.back(), y.data(), sums(y.data(), n_out, e), logits}}, n_out);
+  products({job(&M.mats.back(), y.data(), n_out, logits)}, n_out);
 }
 
 }  // namespace
