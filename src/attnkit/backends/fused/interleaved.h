@@ -10,11 +10,12 @@
 //   kind  per block of a group (8 rows x 32 values)                  bytes (= 8 blocks)
 //   Q4_0  d[8] f16, qs[4][8] u32                                     16 + 128 = 144
 //   Q4_1  d[8] f16, m[8] f16, qs[4][8] u32                           32 + 128 = 160
-//   Q8_0  d[8] f16, q[32][8] int8                                    16 + 256 = 272
+//   Q8_0  d[8] f16, q[8][8] u32                                      16 + 256 = 272
 //
 // where qs[t][j] is bytes 4 t .. 4 t + 3 of row j's own block, as one little-endian word: its
 // nibble at bits 8 b .. 8 b + 3 is element 4 t + b, and at 8 b + 4 .. 8 b + 7 element
-// 4 t + b + 16 (GGUF's low and high nibbles of byte 4 t + b); q[e][j] is element e of row j.
+// 4 t + b + 16 (GGUF's low and high nibbles of byte 4 t + b); q[t][j] is elements
+// 4 t .. 4 t + 3 of row j, the int8 at bits 8 b .. 8 b + 7 element 4 t + b.
 // Groups go by fours ("sets": 32 rows, the last set of a matrix may hold fewer groups) whose
 // blocks alternate: a set's unit 0 of its groups 0, 1, 2, 3, then unit 1 of each, and so on.
 // One row of x multiplies a set's four groups at once and so reads the set as one stream (a
@@ -28,7 +29,9 @@
 // 8 nibbles without a shuffle: the one at position i (bits 4 i .. 4 i + 3) is masked in place
 // and converted, q 2^4i, and x comes with each unit's values in position order, scaled by
 // 2^-4i (``nibble_order``): x 2^-4i times q 2^4i is x q exactly (powers of two), so the
-// product is the one of x and q. The block's scales come in once per block, as in the
+// product is the one of x and q. A Q8_0 word's int8 at byte b is shifted (b < 3) and masked to
+// the word's top byte, q 2^24; the block's sum so comes 2^24 times the exact one, and its scale
+// d 2^-24 (both exact). The block's scales come in once per block, as in the
 // GGUF-row kernels (quant.h's ``matvec``): s = x . q over its 32 values, then d s (and
 // m sum(x) for Q4_1) added to the output. Each output (row r of x, row c of W) is so one fixed
 // sequence of FMAs, block by block (within a block in the order the values are read), however
@@ -109,14 +112,8 @@ inline void interleave_rows(int64_t kind, const uint8_t* w, int64_t n, int64_t r
           const uint8_t* b = w + (g * GROUP + j) * row_bytes + u * f.bytes;
           std::memcpy(o + 2 * j, b, 2);                                      // d
           if (kind == Q4_1) std::memcpy(o + 2 * GROUP + 2 * j, b + 2, 2);  // m
-          uint8_t* values = o + GROUP * head;
-          if (kind == Q8_0) {  // element e of the 8 rows together
-            for (int64_t e = 0; e < body; e++) values[e * GROUP + j] = b[head + e];
-          } else {  // word t (bytes 4 t .. 4 t + 3) of the 8 rows together
-            for (int64_t e = 0; e < body; e++) {
-              values[(e / 4 * GROUP + j) * 4 + e % 4] = b[head + e];
-            }
-          }
+          uint8_t* values = o + GROUP * head;  // word t (bytes 4 t .. 4 t + 3) of the 8 rows
+          for (int64_t e = 0; e < body; e++) values[(e / 4 * GROUP + j) * 4 + e % 4] = b[head + e];
         }
       }
     }
@@ -138,11 +135,7 @@ inline Lanes lanes_load(const float* p) { return _mm256_loadu_ps(p); }
 inline Lanes lanes_halves(const uint8_t* p) {  // 8 float16
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-inline Lanes lanes_int8s(const uint8_t* p) {  // 8 int8
-  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-}
-// 8 words: word t of a Q4 group's 8 rows.
+// 8 words: word t of a group's 8 rows.
 using Words = __m256i;
 inline Words words_load(const uint8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -160,6 +153,14 @@ inline Lanes words_placed(Words v) {
                      : _mm256_and_si256(v, _mm256_set1_epi32(0xF << 4 * I));
   if constexpr (MINUS_8) q = _mm256_sub_epi32(q, _mm256_set1_epi32(8 << 4 * (I % 7)));
   return _mm256_cvtepi32_ps(q);
+}
+// Each word's int8 at byte B in the top byte, times 2^24: an exact integer.
+template <int B>
+inline Lanes words_int8(Words v) {
+  const __m256i top = _mm256_set1_epi32(static_cast<int>(0xFF000000u));
+  if constexpr (B == 0) return _mm256_cvtepi32_ps(_mm256_slli_epi32(v, 24));
+  if constexpr (B == 3) return _mm256_cvtepi32_ps(_mm256_and_si256(v, top));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_slli_epi32(v, 24 - 8 * B), top));
 }
 #else
 struct Lanes {
@@ -194,11 +195,6 @@ inline Lanes lanes_halves(const uint8_t* p) {
   for (int j = 0; j < GROUP; j++) l.v[j] = half(p + 2 * j);
   return l;
 }
-inline Lanes lanes_int8s(const uint8_t* p) {
-  Lanes l;
-  for (int j = 0; j < GROUP; j++) l.v[j] = static_cast<float>(static_cast<int8_t>(p[j]));
-  return l;
-}
 struct Words {
   uint32_t v[GROUP];
 };
@@ -222,16 +218,35 @@ inline Lanes words_placed(Words v) {
   }
   return l;
 }
+template <int B>
+inline Lanes words_int8(Words v) {
+  Lanes l;
+  for (int j = 0; j < GROUP; j++) {
+    l.v[j] = static_cast<float>(static_cast<int32_t>((v.v[j] << (24 - 8 * B)) & 0xFF000000u));
+  }
+  return l;
+}
 #endif
 
-// f(std::integral_constant<int, i>{}) for the nibble positions i = 0 .. 7 of a Q4 word.
+// f(std::integral_constant<int, i>{}) for i = 0 .. N - 1: a word's values in turn.
 template <typename F, int... I>
-inline void for_each_position(F& f, std::integer_sequence<int, I...>) {
+inline void for_each_index(F& f, std::integer_sequence<int, I...>) {
   (f(std::integral_constant<int, I>{}), ...);
 }
-template <typename F>
-inline void for_positions(F&& f) {
-  for_each_position(f, std::make_integer_sequence<int, 8>{});
+template <int N, typename F>
+inline void for_index(F&& f) {
+  for_each_index(f, std::make_integer_sequence<int, N>{});
+}
+
+// Value I of each word of a group's unit, as the products multiply it: Q4's nibble at position
+// I (words_placed), Q8_0's int8 at byte I (words_int8).
+template <int64_t KIND, int I>
+inline Lanes word_value(Words v) {
+  if constexpr (KIND == Q8_0) {
+    return words_int8<I>(v);
+  } else {
+    return words_placed<I, KIND == Q4_0>(v);
+  }
 }
 
 // x as the interleaved Q4 products read it: each unit's 32 values in the order of the nibble
@@ -293,7 +308,17 @@ struct GroupBlock {
       w1 = lanes_fma(high, d, offset);
     }
   }
-  Lanes element(int e) const { return lanes_mul(lanes_int8s(values + e * GROUP), d); }  // Q8_0
+  // Element e (Q8_0), q d exactly as gguf's: (q 2^24) (d 2^-24) is the same product.
+  Lanes element(int e) const {
+    const Words v = words_load(values + e / 4 * GROUP * 4);  // word e / 4, byte e % 4
+    const Lanes d_24 = lanes_mul(d, lanes_set(0x1p-24f));
+    switch (e % 4) {
+      case 0: return lanes_mul(words_int8<0>(v), d_24);
+      case 1: return lanes_mul(words_int8<1>(v), d_24);
+      case 2: return lanes_mul(words_int8<2>(v), d_24);
+      default: return lanes_mul(words_int8<3>(v), d_24);
+    }
+  }
 };
 
 // acc[r][g] = x[r] . (G groups of a set from ``w``: unit u of group g at w + u unit_stride +
@@ -320,33 +345,26 @@ inline void group_tile(const float* x, int64_t ldx, const float* xsum, int64_t l
     Lanes s[R][G];
     for (int r = 0; r < R; r++)
       for (int g = 0; g < G; g++) s[r][g] = lanes_zero();
-    if constexpr (KIND == Q8_0) {
-      for (int e = 0; e < UNIT; e++) {
+    // Word by word, its values in turn (8 nibbles of Q4, 4 int8 of Q8_0), each an exact integer
+    // times a power of two (word_value); x in the same order: nibble_order's for Q4, its own for
+    // Q8_0 (whose s comes 2^24 times the block's sum: its scale is 2^-24 times d below).
+    constexpr int per_word = KIND == Q8_0 ? 4 : 8;
+    for (int t = 0; t < UNIT / per_word; t++) {
+      Words v[G];
+      for (int g = 0; g < G; g++) v[g] = words_load(unit + g * bytes + head + t * 4 * GROUP);
+      for_index<per_word>([&](auto index) {
+        constexpr int i = decltype(index)::value;
         Lanes q[G];
-        for (int g = 0; g < G; g++) q[g] = lanes_int8s(unit + g * bytes + head + e * GROUP);
+        for (int g = 0; g < G; g++) q[g] = word_value<KIND, i>(v[g]);
         for (int r = 0; r < R; r++) {
-          const Lanes xe = lanes_set(xu[r * ldx + e]);
+          const Lanes xe = lanes_set(xu[r * ldx + per_word * t + i]);
           for (int g = 0; g < G; g++) s[r][g] = lanes_fma(xe, q[g], s[r][g]);
         }
-      }
-    } else {
-      // Word by word, its 8 nibble positions in turn; x in the same order (nibble_order).
-      for (int t = 0; t < UNIT / 8; t++) {
-        Words v[G];
-        for (int g = 0; g < G; g++) v[g] = words_load(unit + g * bytes + head + t * 4 * GROUP);
-        for_positions([&](auto position) {
-          constexpr int i = decltype(position)::value;
-          Lanes q[G];
-          for (int g = 0; g < G; g++) q[g] = words_placed<i, KIND == Q4_0>(v[g]);
-          for (int r = 0; r < R; r++) {
-            const Lanes xe = lanes_set(xu[r * ldx + 8 * t + i]);
-            for (int g = 0; g < G; g++) s[r][g] = lanes_fma(xe, q[g], s[r][g]);
-          }
-        });
-      }
+      });
     }
     for (int g = 0; g < G; g++) {
-      const Lanes d = lanes_halves(unit + g * bytes);
+      Lanes d = lanes_halves(unit + g * bytes);
+      if constexpr (KIND == Q8_0) d = lanes_mul(d, lanes_set(0x1p-24f));  // exact
       for (int r = 0; r < R; r++) {
         float* a = acc + (r * G + g) * GROUP;
         Lanes t = lanes_fma(d, s[r][g], lanes_load(a));
