@@ -145,6 +145,10 @@ inline Lanes words_nibble(Words v, int shift) {
   const __m256i q = _mm256_srli_epi32(v, shift);
   return _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)));
 }
+// Each word's int8 at byte b, as a float.
+inline Lanes words_byte(Words v, int b) {
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * b), 24));
+}
 // Each word's nibble at position I (bits 4 I .. 4 I + 3), minus 8 for Q4_0, times 2^4I (I = 7:
 // times 1, so that the integer stays positive before the conversion): exact integers.
 template <int I, bool MINUS_8>
@@ -206,6 +210,11 @@ inline Words words_load(const uint8_t* p) {
 inline Lanes words_nibble(Words v, int shift) {
   Lanes l;
   for (int j = 0; j < GROUP; j++) l.v[j] = static_cast<float>((v.v[j] >> shift) & 0x0F);
+  return l;
+}
+inline Lanes words_byte(Words v, int b) {
+  Lanes l;
+  for (int j = 0; j < GROUP; j++) l.v[j] = static_cast<int8_t>(v.v[j] >> 8 * b);
   return l;
 }
 template <int I, bool MINUS_8>
@@ -308,16 +317,10 @@ struct GroupBlock {
       w1 = lanes_fma(high, d, offset);
     }
   }
-  // Element e (Q8_0), q d exactly as gguf's: (q 2^24) (d 2^-24) is the same product.
+  // Element e (Q8_0), q d exactly as gguf's.
   Lanes element(int e) const {
     const Words v = words_load(values + e / 4 * GROUP * 4);  // word e / 4, byte e % 4
-    const Lanes d_24 = lanes_mul(d, lanes_set(0x1p-24f));
-    switch (e % 4) {
-      case 0: return lanes_mul(words_int8<0>(v), d_24);
-      case 1: return lanes_mul(words_int8<1>(v), d_24);
-      case 2: return lanes_mul(words_int8<2>(v), d_24);
-      default: return lanes_mul(words_int8<3>(v), d_24);
-    }
+    return lanes_mul(words_byte(v, e % 4), d);
   }
 };
 

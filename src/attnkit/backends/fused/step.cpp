@@ -355,7 +355,6 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
   Floats x(t * e), y(rows * e), qkv(t * nqkv), attn(t * nq), proj(t * e), gate(t * f),
       up(t * f);
   const int64_t widest = std::max(e, std::max(nq, f));
-  Floats xsum(rows * (widest / UNIT + 1)), placed(rows * widest);
   with_kind(M.embed_kind, [&](auto kc) {
     for (int64_t r = 0; r < t; r++) {
       dequantize_row<decltype(kc)::value>(M.embed + id[r] * M.embed_row_bytes, e,
@@ -370,6 +369,9 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
       any_placed = any_placed || reads_nibble_order(p.kind);
     }
   }
+  // What the row kernels read besides x: at most STEP_ROWS rows (more take the tile path).
+  Floats xsum(rows * (widest / UNIT + 1));
+  Floats placed(any_placed ? std::min(rows, STEP_ROWS) * widest : 0);
   // A product's job: the unit sums of x's m rows of k and x in nibble order, where a row kernel
   // reads them (the tile path needs neither).
   auto job = [&](const Matrix* mat, const float* x, int64_t m, float* out) -> Job {
