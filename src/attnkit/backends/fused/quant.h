@@ -618,6 +618,16 @@ inline void unit_sums(const float* x, int64_t m, int64_t k, float* out) {
   for (; u < all; u++) out[u] = std::accumulate(x + u * UNIT, x + (u + 1) * UNIT, 0.0f);
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The widest rows of x (k values) that matvec_exact takes 8 at a time. Its 8-row pass reads all
+// of x's 8 rows for every row of W (even units, then odd ones): 8 rows of 1,536 floats (48 KiB)
+// do not stay in a 32 KiB L1 cache, and every load of x then comes from L2. Wider rows go 4 at
+// a time (24 KiB), which gives the same sums (the same four chains in the same order): on a
+// Zen 4 core, SmolLM2's down projection (1,536 wide) with 8 rows of x ran at 26 GMAC/s in the
+// 8-row pass and 40 GMAC/s 4 rows at a time; its 576-wide products keep the 8-row pass (41).
+constexpr int64_t EIGHT_ROWS_K = 768;
+#endif
+
 // out[r, c] = x[r] . W[c] for rows c in [c0, c1) of W (``kind``, rows of row_bytes) and the m
 // rows of x (k values each, contiguous; xsum: unit_sums of x), out rows ldo apart: x's rows
 // taken 4, 2 and 1 at a time (and 8 for Q4_0, Q4_1 and Q8_0 with AVX-512), so each unit of W is
@@ -641,7 +651,9 @@ inline void matvec_range(int64_t kind, const float* x, int64_t m, const float* x
       int64_t r = 0;
 #if defined(CPU_CAPABILITY_AVX512)
       if constexpr (exact_rows<KIND>) {  // a block's values serve 8 rows
-        for (; r + 8 <= m; r += 8) rows(std::integral_constant<int, 8>{}, r);
+        if (k <= EIGHT_ROWS_K) {
+          for (; r + 8 <= m; r += 8) rows(std::integral_constant<int, 8>{}, r);
+        }
       }
 #endif
       for (; r + 4 <= m; r += 4) rows(std::integral_constant<int, 4>{}, r);
