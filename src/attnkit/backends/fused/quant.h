@@ -500,6 +500,9 @@ void matvec_exact(const float* x, int64_t ldx, const uint8_t* w, int64_t row_byt
       if (units > 1) values(1, b0, b1);
       int64_t u = 0;
       for (; u + 2 <= units; u += 2) {
+        // A batch reads W slowly enough for the CPU's prefetchers to fall behind (as below);
+        // one row of x reads it at memory speed, and they keep up.
+        if constexpr (R > 1) __builtin_prefetch(row + u * bytes + AHEAD_BYTES, 0, 3);
         __m512 na0 = a0, na1 = a1, nb0 = b0, nb1 = b1;
         if (u + 2 < units) values(u + 2, na0, na1);
         if (u + 3 < units) values(u + 3, nb0, nb1);
