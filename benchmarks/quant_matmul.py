@@ -17,8 +17,15 @@ weights, so every call reads its matrix from memory, as a decoding step does (th
 weights are far larger than the caches); without it the small matrices stay in cache between
 calls.
 
+``--memory`` asks what bounds the decoding products instead: ``qmatmul`` alone, with 1 and 8
+rows of x (one sequence's step, and eight sequences'), each weight either warm (the same matrix
+every call, in cache) or cold (copies of it worth 256 MiB of GGUF blocks, taken in turn, so
+every call reads the matrix from memory), interleaved call by call. A product bound by reading
+its weight runs much slower cold; one bound by the work of de-quantising and multiplying runs
+about as fast either way.
+
 Run: ``python benchmarks/quant_matmul.py`` (``--threads 1 2``; ``--repeats N``; ``--quick``:
-decoding shapes only; ``--cold``).
+decoding shapes only; ``--cold``; ``--memory``).
 """
 
 from __future__ import annotations
@@ -62,6 +69,43 @@ def timed(calls: dict, repeats: int) -> dict[str, float]:
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
+# SmolLM2-135M's feed-forward shapes in its kinds (the 49,152-row output matrix, 28 MB of Q8_0,
+# stays in no cache: it takes Q8_0 in the gate's shape here).
+MEMORY = [("Q4_1", 1536, 576), ("Q4_1", 576, 1536), ("Q8_0", 1536, 576)]
+
+
+def memory(kernel, threads: list[int], repeats: int) -> None:
+    """``--memory``: qmatmul with W warm and cold, 1 and 8 rows of x (module docstring)."""
+    from gguf import GGMLQuantizationType as Kind
+
+    print(
+        "| threads | kind | m | n | k | warm ms | cold ms | cold / warm | warm GMAC/s "
+        "| cold GMAC/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for t in threads:
+        torch.set_num_threads(t)
+        for name, n, k in MEMORY:
+            kind = Kind[name]
+            w = weights(kind, n, k)
+            copies = max(2, -(-(256 << 20) // w.numel()))
+            ws = [w.clone() for _ in range(copies)]
+            for m in (1, 8):
+                x, out = torch.randn(m, k), torch.empty(m, n)
+                ms = timed({
+                    "warm": cycling(kernel.qmatmul, [(x, w, int(kind), out)]),
+                    "cold": cycling(kernel.qmatmul, [(x, c, int(kind), out) for c in ws]),
+                }, repeats or max(50, min(2000, int(4e9 / (m * n * k)))))  # fmt: skip
+                rate = {key: m * n * k / (1e6 * value) for key, value in ms.items()}
+                print(
+                    f"| {t} | {name} | {m} | {n:,} | {k:,} | {ms['warm']:.4f} | "
+                    f"{ms['cold']:.4f} | {ms['cold'] / ms['warm']:.2f} | {rate['warm']:.1f} | "
+                    f"{rate['cold']:.1f} |",
+                    flush=True,
+                )
+            del ws
+
+
 def main() -> None:
     from gguf import GGMLQuantizationType as Kind
 
@@ -72,8 +116,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=0, help="0: by size")
     parser.add_argument("--quick", action="store_true", help="decoding shapes only")
     parser.add_argument("--cold", action="store_true", help="W read from memory every call")
+    parser.add_argument("--memory", action="store_true", help="qmatmul alone, W warm and cold")
     args = parser.parse_args()
     kernel = jit.build()
+    if args.memory:
+        print(f"torch {torch.__version__}, CPU class {jit.capability()}")
+        before = torch.get_num_threads()
+        try:
+            memory(kernel, args.threads, args.repeats)
+        finally:
+            torch.set_num_threads(before)
+        return
     cases = [(kind, 1, n, k) for kind in (Kind.Q4_1, Kind.Q8_0) for n, k in DECODE]
     if not args.quick:
         cases += [(Kind.Q4_1, m, n, k) for m in (256, 1024) for n, k in PREFILL]
