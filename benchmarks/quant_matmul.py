@@ -50,6 +50,12 @@ def weights(kind, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(quantize(w, kind))
 
 
+def copies(nbytes: int) -> int:
+    """How many copies of a weight of ``nbytes`` make 256 MiB (at least 2): taken in turn, every
+    call reads its copy from memory."""
+    return max(2, -(-(256 << 20) // nbytes))
+
+
 def cycling(fn, operands: list[tuple]):
     """A call of ``fn`` on each operand tuple in turn."""
     turn = itertools.cycle(operands)
@@ -88,8 +94,7 @@ def memory(kernel, threads: list[int], repeats: int) -> None:
         for name, n, k in MEMORY:
             kind = Kind[name]
             w = weights(kind, n, k)
-            copies = max(2, -(-(256 << 20) // w.numel()))
-            ws = [w.clone() for _ in range(copies)]
+            ws = [w.clone() for _ in range(copies(w.numel()))]
             for m in (1, 8):
                 x, out = torch.randn(m, k), torch.empty(m, n)
                 ms = timed({
@@ -106,9 +111,36 @@ def memory(kernel, threads: list[int], repeats: int) -> None:
             del ws
 
 
-def main() -> None:
+def against_linear(kernel, args: argparse.Namespace) -> None:
+    """The default table: qmatmul against F.linear with the float32 weight (module docstring)."""
     from gguf import GGMLQuantizationType as Kind
 
+    cases = [(kind, 1, n, k) for kind in (Kind.Q4_1, Kind.Q8_0) for n, k in DECODE]
+    if not args.quick:
+        cases += [(Kind.Q4_1, m, n, k) for m in (256, 1024) for n, k in PREFILL]
+    print("| threads | kind | m | n | k | linear ms | qmatmul ms | linear / qmatmul |")
+    print("|---|---|---|---|---|---|---|---|")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for kind, m, n, k in cases:
+            w = weights(kind, n, k)
+            ws = [w.clone() for _ in range(copies(4 * n * k) if args.cold else 1)]
+            w32s = [kernel.dequantize(c, int(kind), k) for c in ws]
+            x, out = torch.randn(m, k), torch.empty(m, n)
+            repeats = args.repeats or max(5, min(500, int(2e9 / (m * n * k))))
+            ms = timed({
+                "linear": cycling(F.linear, [(x, c) for c in w32s]),
+                "qmatmul": cycling(kernel.qmatmul, [(x, c, int(kind), out) for c in ws]),
+            }, repeats)  # fmt: skip
+            del ws, w32s
+            print(
+                f"| {threads} | {kind.name} | {m} | {n:,} | {k:,} | {ms['linear']:.4f} | "
+                f"{ms['qmatmul']:.4f} | {ms['linear'] / ms['qmatmul']:.2f} |",
+                flush=True,
+            )
+
+
+def main() -> None:
     from attnkit.backends.fused import jit
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -119,41 +151,13 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="qmatmul alone, W warm and cold")
     args = parser.parse_args()
     kernel = jit.build()
-    if args.memory:
-        print(f"torch {torch.__version__}, CPU class {jit.capability()}")
-        before = torch.get_num_threads()
-        try:
-            memory(kernel, args.threads, args.repeats)
-        finally:
-            torch.set_num_threads(before)
-        return
-    cases = [(kind, 1, n, k) for kind in (Kind.Q4_1, Kind.Q8_0) for n, k in DECODE]
-    if not args.quick:
-        cases += [(Kind.Q4_1, m, n, k) for m in (256, 1024) for n, k in PREFILL]
     print(f"torch {torch.__version__}, CPU class {jit.capability()}")
-    print("| threads | kind | m | n | k | linear ms | qmatmul ms | linear / qmatmul |")
-    print("|---|---|---|---|---|---|---|---|")
     before = torch.get_num_threads()
     try:
-        for threads in args.threads:
-            torch.set_num_threads(threads)
-            for kind, m, n, k in cases:
-                w = weights(kind, n, k)
-                copies = max(2, -(-(256 << 20) // (4 * n * k))) if args.cold else 1
-                ws = [w.clone() for _ in range(copies)]
-                w32s = [kernel.dequantize(c, int(kind), k) for c in ws]
-                x, out = torch.randn(m, k), torch.empty(m, n)
-                repeats = args.repeats or max(5, min(500, int(2e9 / (m * n * k))))
-                ms = timed({
-                    "linear": cycling(F.linear, [(x, c) for c in w32s]),
-                    "qmatmul": cycling(kernel.qmatmul, [(x, c, int(kind), out) for c in ws]),
-                }, repeats)  # fmt: skip
-                del ws, w32s
-                print(
-                    f"| {threads} | {kind.name} | {m} | {n:,} | {k:,} | {ms['linear']:.4f} | "
-                    f"{ms['qmatmul']:.4f} | {ms['linear'] / ms['qmatmul']:.2f} |",
-                    flush=True,
-                )
+        if args.memory:
+            memory(kernel, args.threads, args.repeats)
+        else:
+            against_linear(kernel, args)
     finally:
         torch.set_num_threads(before)
 
