@@ -110,11 +110,11 @@ def column_major(model: nn.Module) -> nn.Module:
     Its values and shape stay the same; only the memory order changes. Each decoding step
     multiplies one row vector by this matrix (the largest of the model: 49,152 x 576 in
     SmolLM2), and ``x @ W.T`` with ``W.T`` contiguous reads it faster than with ``W`` contiguous
-    (MKL's matrix-vector product; on an AMD EPYC with 2 threads 4.6 ms instead of 7.1 ms, about
-    7 % of a step). The logits then differ from the row-major product by float rounding only
-    (another summation order). The blocks' projections keep their layout: column-major ones
-    would be faster too, but their rounding, carried through 30 layers, moves the logits of
-    short prompts by up to 1.1e-4. The tied embedding gathers strided rows, at no visible cost.
+    (MKL's matrix-vector product: docs/benchmarks.md, "Tuning the decoding kernels"). The
+    logits then differ from the row-major product by float rounding only (another summation
+    order). The blocks' projections keep their layout: column-major ones would be faster too,
+    but their rounding, carried through 30 layers, moves the logits of short prompts by up to
+    1.1e-4. The tied embedding gathers strided rows, at no visible cost.
     """
     out = model.embed if model.lm_head is None else model.lm_head
     with torch.no_grad():

@@ -2,8 +2,9 @@
 // weights in where the CPU has AVX2 but not AVX-512.
 //
 // GGUF stores each row of W as its own run of blocks, so a product reads one row at a time and
-// ends with a sum across a vector's lanes. With AVX2 that row-at-a-time product reached about
-// 16 GMAC/s per core for 8 rows of x, a third of what the core's FMAs allow. Here the rows of W
+// ends with a sum across a vector's lanes. With AVX2 that row-at-a-time product leaves most of
+// the core's FMAs idle for 8 rows of x (docs/benchmarks.md, "Tuning the decoding kernels",
+// has the measurements behind this file's choices). Here the rows of W
 // go in groups of 8 (GROUP), and a group's blocks are interleaved so that one vector holds the
 // same element of all 8 rows:
 //
@@ -19,7 +20,7 @@
 // Groups go by fours ("sets": 32 rows, the last set of a matrix may hold fewer groups) whose
 // blocks alternate: a set's unit 0 of its groups 0, 1, 2, 3, then unit 1 of each, and so on.
 // One row of x multiplies a set's four groups at once and so reads the set as one stream (a
-// stream per group read from memory ran at 0.8-0.9x GGUF's rows; one stream, 1.0-1.2x). Set s
+// stream per group read from memory was slower than GGUF's rows; one stream is not). Set s
 // is the bytes of rows 32 s .. 32 s + 31 of the (n, row_bytes) tensor: the same bytes,
 // rearranged (``interleave``).
 //
@@ -38,9 +39,8 @@
 // many rows of x or groups of W a call takes at once: a row's result is the same bits alone
 // and in a batch. Against float64, the products of SmolLM2's matrices are as close as when
 // each value was de-quantised first (largest relative error 0.2-0.7e-6 against 0.5-1.1e-6).
-// On a Zen 3 class core (2 threads, SmolLM2-135M, the serving step, steps of this layout and
-// of bytes interleaved one by one alternating): a step of one sequence 0.92x the time, a step
-// of 8 sequences 0.89x (medians of about 195 paired steps each).
+// Serving steps, of one sequence and of eight, were faster in these words than with the rows'
+// bytes interleaved one by one.
 //
 // Without AVX2 the same arithmetic runs on 8 floats with std::fma: the same bits, slowly (a
 // build that prefers GGUF's layout only meets this one in tests).
@@ -288,9 +288,8 @@ constexpr bool reads_nibble_order(int64_t kind) {
   return kind == (INTERLEAVED | Q4_0) || kind == (INTERLEAVED | Q4_1);
 }
 
-// Units ahead of its reading a tile asks for its bytes (group_tile): with 4, 8 and 16 the
-// products of 1 and 8 rows of x by a Q4_1 W read from memory ran at 0.93-1.05x, 0.98-1.18x and
-// 1.00-1.15x GGUF's rows (1 row), 1.27-1.38x, 1.30-1.37x and 1.23-1.24x (8 rows).
+// Units ahead of its reading a tile asks for its bytes (group_tile): of 4, 8 and 16, the one
+// that kept both 1 and 8 rows of x at or above GGUF's rows with W read from memory.
 constexpr int64_t AHEAD = 8;
 
 // A group's block: its scales as lanes (d, and the offset: m for Q4_1, -8 for Q4_0).
@@ -379,7 +378,7 @@ inline void group_tile(const float* x, int64_t ldx, const float* xsum, int64_t l
       }
     }
     // acc is memory here: without this the compiler keeps it in registers across the units
-    // and spills the sums s instead (the inner loop then ran at about 0.7x).
+    // and spills the sums s instead, which slows the inner loop.
     __asm__ volatile("" : : "r"(acc) : "memory");
   }
 }

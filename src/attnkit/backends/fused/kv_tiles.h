@@ -63,10 +63,8 @@ inline int64_t chunk_count(int64_t keys, int64_t units, int64_t threads) {
 // tile with much arithmetic in between: without asking ahead, a step over a long cache that is
 // no longer in the CPU's caches waits on memory row by row (a third of the bandwidth a plain
 // read of it gets with one thread). Asked for into L2 (prefetcht1), not L1: a thread keeps
-// STREAM_AHEAD rows in flight, more lines than L1 can wait on, and on a Zen 4 core asking for
-// them into L1 left the cold cache read at about 8 GB/s (SmolLM2's heads, float16, 8 sequences
-// at 140 keys and one at 1,024 or 4,096: paged 0.55-0.88x the time on one thread, the dense
-// decode step 0.78-0.94x, a server step of 8 sequences 0.96x).
+// STREAM_AHEAD rows in flight, more lines than L1 can wait on, and asking for them into L1
+// left a cold cache read slower (docs/benchmarks.md, "Tuning the decoding kernels").
 template <typename kv_t>
 inline void prefetch_row(const kv_t* row, int64_t d) {
   const char* p = reinterpret_cast<const char*>(row);

@@ -167,8 +167,8 @@ void direct_scores(const float* q_rows, int64_t d, int64_t d_p, const kv_t* cons
 // The key and value rows a thread reads, asked for STREAM_AHEAD rows ahead of its reading,
 // across its tasks as one stream. A decoding step's tasks are a tile or two each (one key head
 // of one sequence); asking for each tile only while the one before it was read left the memory
-// idle at every task's start and after every short tile (8 sequences at 160 keys, SmolLM2's
-// heads: 2.6 -> 2.0 ms for 30 layers' attention).
+// idle at every task's start and after every short tile (docs/benchmarks.md, "Tuning the
+// decoding kernels").
 template <typename kv_t>
 struct Stream {
   const Problem& pr;
@@ -208,7 +208,7 @@ inline bool transposes(int64_t rows) {
 // Per-thread buffers of one task, sized for the call's largest item. A decoding step's items
 // are g rows and read the keys as stored: buffers for a prefill chunk's 64 rows and a transposed
 // tile, allocated and zeroed on every call and thread, took about a tenth of one sequence's
-// attention (SmolLM2, 30 layers at 96-224 keys, 2 threads: 0.19-0.30 -> 0.17-0.27 ms).
+// attention.
 struct Scratch {
   Floats q_rows, s, k_t, square;
   std::vector<const void*> k_rows, v_rows;  // this tile's rows in the pools

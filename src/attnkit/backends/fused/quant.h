@@ -406,8 +406,8 @@ constexpr bool block_dot = KIND == Q4_0 || KIND == Q4_1 || KIND == Q8_0;
 // de-quantised once into registers and multiplied into R accumulators.
 #if defined(CPU_CAPABILITY_AVX512)
 // How far ahead of its use W is asked for where 8 rows of x make reading it slow enough that
-// the CPU's prefetchers fall behind (2 KiB: a row of 1,536 Q4_1 values is 960 bytes; 1 KiB
-// had the 8-row product of such rows at 68 GMAC/s against 85).
+// the CPU's prefetchers fall behind: about two rows of 1,536 Q4_1 values (960 bytes each);
+// one row ahead was measurably slower (docs/benchmarks.md, "Tuning the decoding kernels").
 constexpr int64_t AHEAD_BYTES = 2048;
 
 // Q4_0, Q4_1 and Q8_0 with AVX-512: each block is de-quantised exactly as gguf does into two
@@ -475,8 +475,8 @@ void matvec_exact(const float* x, int64_t ldx, const uint8_t* w, int64_t row_byt
     };
     // Each unit is de-quantised ahead of its products: two units ahead here, one step of two
     // units below. Made in order, a unit's 2 R FMAs fill the CPU's scheduler waiting for its
-    // values, and the next unit's values wait behind them (8 rows of x: 73 -> 88 GMAC/s on one
-    // thread). The FMAs are the same, in the same order: the same bits.
+    // values, and the next unit's values wait behind them. The FMAs are the same, in the same
+    // order: the same bits.
     //
     // Units u0, u0 + 2, ... into chains S and S + 1.
     auto add_every_other = [&](int64_t u0, auto slot) {
@@ -625,9 +625,9 @@ inline void unit_sums(const float* x, int64_t m, int64_t k, float* out) {
 // The widest rows of x (k values) that matvec_exact takes 8 at a time. Its 8-row pass reads all
 // of x's 8 rows for every row of W (even units, then odd ones): 8 rows of 1,536 floats (48 KiB)
 // do not stay in a 32 KiB L1 cache, and every load of x then comes from L2. Wider rows go 4 at
-// a time (24 KiB), which gives the same sums (the same four chains in the same order): on a
-// Zen 4 core, SmolLM2's down projection (1,536 wide) with 8 rows of x ran at 26 GMAC/s in the
-// 8-row pass and 40 GMAC/s 4 rows at a time; its 576-wide products keep the 8-row pass (41).
+// a time (24 KiB), which gives the same sums (the same four chains in the same order) and
+// was faster for SmolLM2's 1,536-wide down projection, while its 576-wide products are fastest
+// 8 at a time (docs/benchmarks.md, "Tuning the decoding kernels").
 constexpr int64_t EIGHT_ROWS_K = 768;
 #endif
 
@@ -669,11 +669,10 @@ inline void matvec_range(int64_t kind, const float* x, int64_t m, const float* x
 constexpr int64_t MATVEC_ROWS = 8;  // x rows up to which products take matvec_range
 
 // Rows of x up to which the step's products (step.cpp), and qmatmul's Q4 products with AVX-512,
-// take the row kernels (matvec_range) rather than the tile path: on SmolLM2 with 2 threads
-// (AVX-512) the row kernels were faster at every batch from 1 to 32 rows (a 16-row step 29 ms
-// against 37 ms) and for prefill chunks of 16 to 256 tokens (893 against 840 tokens/s at 256,
-// before each block was de-quantised ahead of its FMAs; a 256-row Q4_1 product is now about
-// 1.6x as fast as the tile path); the server's steps hold at most 256 rows by default.
+// take the row kernels (matvec_range) rather than the tile path: on SmolLM2 the row kernels
+// were faster at every batch of decoding rows and for prefill chunks up to 256 tokens
+// (docs/benchmarks.md, "Tuning the decoding kernels"); the server's steps hold at most 256 rows
+// by default.
 constexpr int64_t STEP_ROWS = 256;
 
 // The matrix-matrix path: tiles of W's rows (and of x's rows when W alone gives too few tiles
