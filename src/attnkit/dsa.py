@@ -142,7 +142,8 @@ class LightningIndexer(nn.Module):
     def queries(self, c_q: Tensor, offset: int) -> Tensor:
         """``(b, H, i, D)`` from MLA's query latent ``c_q (b, i, d_q)``."""
         b, i, _ = c_q.shape
-        q = self.q_proj(c_q).view(b, i, self.num_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(c_q).view(b, i, self.num_heads, self.head_dim)  # (b, i, H, D)
+        q = q.transpose(1, 2)  # (b, H, i, D)
         return self._rotate(q, offset)  # (b, H, i, D)
 
     def head_weights(self, x: Tensor) -> Tensor:
@@ -153,7 +154,7 @@ class LightningIndexer(nn.Module):
         """``I (b, i, j) = sum_H w[b, i, H] ReLU(q[b, H, i] . k[b, j] / sqrt(D))``."""
         work = compute_dtype(q.dtype)
         q = (q.to(work) * self.head_dim**-0.5).transpose(1, 2)  # (b, i, H, D)
-        return _index_scores(q, w.to(work), k.to(work).transpose(-1, -2))
+        return _index_scores(q, w.to(work), k.to(work).transpose(-1, -2))  # k^T: (b, D, j)
 
     @torch.no_grad()
     def select(
@@ -193,7 +194,8 @@ class LightningIndexer(nn.Module):
             r1 = min(i, r0 + block)
             # causal: keys past the tile's last row are never visible; keep >= t columns
             end = min(j, max(t, r1 + offset)) if is_causal else j
-            s = _index_scores(q[:, r0:r1], w[:, r0:r1], k[:, :end].transpose(-1, -2), scratch)
+            k_t = k[:, :end].transpose(-1, -2)  # (b, D, end)
+            s = _index_scores(q[:, r0:r1], w[:, r0:r1], k_t, scratch)  # (b, rows, end)
             if is_causal:  # s: (b, rows, end); only keys past the first row can be hidden
                 rows = torch.arange(r0, r1, device=x.device)[:, None] + offset
                 lo = min(end, r0 + offset + 1)
@@ -215,6 +217,7 @@ def _index_scores(q: Tensor, w: Tensor, k_t: Tensor, scratch: Tensor | None = No
     tiles: a fresh one per tile costs page faults) when given."""
     b, rows, heads, _ = q.shape
     j = k_t.shape[-1]
+    # (b, rows H, j): one score row per query row and head
     s = None if scratch is None else scratch[: b * rows * heads * j].view(b, rows * heads, j)
     s = torch.relu_(torch.matmul(q.reshape(b, rows * heads, -1), k_t, out=s))  # one GEMM
     return (w[:, :, None] @ s.view(b, rows, heads, -1))[:, :, 0]  # (b, rows, j)
@@ -273,7 +276,7 @@ class _GatherAttention(torch.autograd.Function):
         tables = _tables(k, v)
         shared = tables[1] is None  # values are the keys' first channels: one gradient table
         dv = None if shared else torch.zeros(b * j, dv_width, dtype=work, device=v.device)
-        base = (torch.arange(b, device=k.device) * j).view(b, 1, 1)
+        base = (torch.arange(b, device=k.device) * j).view(b, 1, 1)  # (b, 1, 1): first rows
         buffers: dict[str, Tensor] = {}  # gather and key-gradient scratch, reused by every block
         if shared:  # [Q; dO_pad; Q] per block: [Q; dO_pad] and [dO_pad; Q] are two views of it
             stack = torch.zeros(b, min(block, i), 3 * h, d, dtype=work, device=qs.device)
@@ -300,6 +303,7 @@ class _GatherAttention(torch.autograd.Function):
                 torch.matmul(ds, kg, out=dq[:, r0:r1])  # dQ = scale dS K
                 dk_g = _buffer(buffers, "dk", kg.shape[:-1].numel(), d, work, k.device)
                 dk_g = dk_g.view(kg.shape)  # (b, rows, t, d)
+                # [P; dS]^T [dO_pad; Q]: (b, rows, t, d)
                 torch.matmul(sd.transpose(-1, -2), rows[:, :, h:], out=dk_g)
             else:
                 p = _scores(qt, kg, valid[:, r0:r1], scale).sub_(lse[:, r0:r1]).exp_()
@@ -312,8 +316,8 @@ class _GatherAttention(torch.autograd.Function):
             # dk += scatter @ dk_g, accumulated in place: sums the rows that share a key
             torch.addmm(dk, scatter, dk_g.flatten(0, 2), out=dk)
         dq = dq.transpose(1, 2).to(ctx.q_dtype)  # (b, h, i, d)
-        dk = dk.view(b, j, -1).to(k.dtype)
-        dv = None if dv is None else dv.view(b, j, -1).to(v.dtype)
+        dk = dk.view(b, j, -1).to(k.dtype)  # (b, j, d)
+        dv = None if dv is None else dv.view(b, j, -1).to(v.dtype)  # (b, j, dv)
         return dq, dk, dv, None, None, None, None
 
 
@@ -335,8 +339,8 @@ def _tables(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
     sliced from the gathered keys instead of gathered again."""
     b, j, d = k.shape
     shared = v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
-    k_table = k.reshape(b * j, d).contiguous()
-    return k_table, None if shared else v.reshape(b * j, v.shape[-1]).contiguous()
+    k_table = k.reshape(b * j, d).contiguous()  # (b j, d)
+    return k_table, None if shared else v.reshape(b * j, v.shape[-1]).contiguous()  # (b j, dv)
 
 
 def _gather(
@@ -350,11 +354,12 @@ def _gather(
 ) -> tuple[Tensor, Tensor]:
     """The keys and values ``idx (b, rows, t)`` points at: ``(b, rows, t, d)``, ``(.., dv)``."""
     b = idx.shape[0]
-    flat = (idx + (torch.arange(b, device=idx.device) * j).view(b, 1, 1)).flatten()
-    kg = _take(k_table, flat, work, buffers, "k").view(*idx.shape, -1)
+    base = (torch.arange(b, device=idx.device) * j).view(b, 1, 1)  # (b, 1, 1)
+    flat = (idx + base).flatten()  # (b rows t,): rows of the (b j, .) tables
+    kg = _take(k_table, flat, work, buffers, "k").view(*idx.shape, -1)  # (b, rows, t, d)
     if v_table is None:
         return kg, kg[..., :dv]
-    return kg, _take(v_table, flat, work, buffers, "v").view(*idx.shape, -1)
+    return kg, _take(v_table, flat, work, buffers, "v").view(*idx.shape, -1)  # (b, rows, t, dv)
 
 
 def _take(

@@ -367,8 +367,9 @@ def _grouped(t: Tensor, ndim: int, h_kv: int, g: int) -> Tensor:
 
 def _sink_column(sinks: Tensor, scores: Tensor, g: int) -> Tensor:
     """The sink logit of each row, ``(..., h, i, 1)`` (grouped: ``(..., h_kv, g, i, 1)``)."""
+    # (h_kv, g, 1, 1) grouped, else (h, 1, 1)
     column = sinks.view(-1, g, 1, 1) if g > 1 else sinks.view(-1, 1, 1)
-    return column.expand(*scores.shape[:-1], 1)
+    return column.expand(*scores.shape[:-1], 1)  # (..., h, i, 1) or (..., h_kv, g, i, 1)
 
 
 def _positions(scores: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -406,7 +407,7 @@ def attention_math(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         flat, _ = modification.apply(
             flat, None if bias is None else pad_to_rank(bias, flat.ndim), index
         )
-        scores = flat.unflatten(-3, scores.shape[-4:-2]) if g > 1 else flat
+        scores = flat.unflatten(-3, scores.shape[-4:-2]) if g > 1 else flat  # grouped again
     visible = mask
     minus_inf = torch.isneginf(scores)  # an additive -inf blocks its key, as a mask does
     if bool(minus_inf.any()):

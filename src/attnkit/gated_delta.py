@@ -198,7 +198,7 @@ def _chunked(
         g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
     m = (n + pad) // c
     q, k, v = (t.reshape(b, h_v, m, c, t.shape[-1]) for t in (q, k, v))  # (b, h_v, m, c, d)
-    g, beta = g.reshape(b, h_v, m, c), beta.reshape(b, h_v, m, c)
+    g, beta = g.reshape(b, h_v, m, c), beta.reshape(b, h_v, m, c)  # (b, h_v, m, c)
     U, W, inner, q_decayed, k_decayed, chunk_decay = _chunk_factors(q, k, v, g, beta)
 
     # Only this scan is sequential: the state entering each chunk.
@@ -254,7 +254,7 @@ class _UnitLowerInverse(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dT):  # type: ignore[no-untyped-def,override]
         (T,) = ctx.saved_tensors
-        Tt = T.transpose(-1, -2)
+        Tt = T.transpose(-1, -2)  # (..., c, c): T^T
         return -(Tt @ dT @ Tt).tril(-1)
 
 
@@ -282,20 +282,21 @@ class _ChunkScan(torch.autograd.Function):
         b, h_v, m, c, d_v = U.shape
         d_k = W.shape[-1]
         U_, W_, K_ = (t.reshape(b * h_v, m, c, t.shape[-1]) for t in (U, W, K))  # (b h_v, m, c, d)
-        D_ = D.reshape(b * h_v, m, 1, 1)
+        D_ = D.reshape(b * h_v, m, 1, 1)  # (b h_v, m, 1, 1)
         S0 = U.new_empty(b * h_v, m, d_k, d_v)
         V_new = torch.empty_like(U_)
-        S = state.reshape(b * h_v, d_k, d_v)
+        S = state.reshape(b * h_v, d_k, d_v)  # (b h_v, d_k, d_v)
         for i in range(m):
             S0[:, i] = S
             torch.baddbmm(U_[:, i], W_[:, i], S, alpha=-1, out=V_new[:, i])  # U_i - W_i S
+            # D_i S + K_i^T V'_i: (b h_v, d_k, d_v)
             S = torch.baddbmm(S * D_[:, i], K_[:, i].transpose(-1, -2), V_new[:, i])
         ctx.save_for_backward(W_, K_, D_, S0, V_new)
         ctx.shape = (b, h_v)
         return (
-            S0.view(b, h_v, m, d_k, d_v),
-            V_new.view(b, h_v, m, c, d_v),
-            S.view(b, h_v, d_k, d_v),
+            S0.view(b, h_v, m, d_k, d_v),  # the state entering each chunk
+            V_new.view(b, h_v, m, c, d_v),  # the values each chunk writes
+            S.view(b, h_v, d_k, d_v),  # the state leaving the last chunk
         )
 
     @staticmethod
@@ -303,22 +304,22 @@ class _ChunkScan(torch.autograd.Function):
         W_, K_, D_, S0, V_new = ctx.saved_tensors
         b, h_v = ctx.shape
         m = V_new.shape[1]
-        dS = dstate.reshape(b * h_v, *dstate.shape[2:]).clone()
+        dS = dstate.reshape(b * h_v, *dstate.shape[2:]).clone()  # (b h_v, d_k, d_v)
         dV = dV_new.reshape(V_new.shape).clone()  # (b h_v, m, c, d_v)
-        dS0_ = dS0.reshape(S0.shape)
+        dS0_ = dS0.reshape(S0.shape)  # (b h_v, m, d_k, d_v)
         dS_next = torch.empty_like(S0)  # the gradient of the state leaving each chunk
         for i in reversed(range(m)):
             dS_next[:, i] = dS
             dV[:, i].baddbmm_(K_[:, i], dS)  # dV'_i += K_i dS
-            dS = torch.baddbmm(
+            dS = torch.baddbmm(  # D_i dS + dS0_i - W_i^T dV'_i: (b h_v, d_k, d_v)
                 dS * D_[:, i] + dS0_[:, i], W_[:, i].transpose(-1, -2), dV[:, i], alpha=-1
             )
         dW = torch.matmul(dV, S0.transpose(-1, -2)).neg_()  # (b h_v, m, c, d_k)
         dK = V_new @ dS_next.transpose(-1, -2)  # (b h_v, m, c, d_k)
         # dD = sum(S0 * dS_next) per chunk and head, as batched dot products (no S0-sized temp)
         dD = S0.flatten(2)[..., None, :] @ dS_next.flatten(2)[..., None]  # (b h_v, m, 1, 1)
-        grads = (t.view(b, h_v, *t.shape[1:]) for t in (dV, dW, dK, dD))
-        return (*grads, dS.view(b, h_v, *dS.shape[1:]))
+        grads = (t.view(b, h_v, *t.shape[1:]) for t in (dV, dW, dK, dD))  # (b, h_v, m, ...)
+        return (*grads, dS.view(b, h_v, *dS.shape[1:]))  # dS: (b, h_v, d_k, d_v)
 
 
 class GatedDeltaCache:
@@ -521,7 +522,7 @@ class GatedDeltaNet(nn.Module):
             cache.state, cache.length = state, cache.length + n
         z = self.z_proj(x).view(b, n, h_v, d_v)  # (b, n, h_v, d_v)
         o = self.norm(o.transpose(1, 2), z)  # (b, n, h_v, d_v)
-        return self.out_proj(o.reshape(b, n, h_v * d_v)), None
+        return self.out_proj(o.reshape(b, n, h_v * d_v)), None  # (b, n, e)
 
     @classmethod
     def from_transformers(cls, module: nn.Module) -> GatedDeltaNet:
@@ -548,9 +549,10 @@ class GatedDeltaNet(nn.Module):
             eps=module.norm.variance_epsilon,
         ).to(dtype=weight.dtype, device=weight.device)
         r = h_v // h  # value heads per key head
-        qkvz = module.in_proj_qkvz.weight.view(h, 2 * d_k + 2 * r * d_v, -1)
+        qkvz = module.in_proj_qkvz.weight.view(h, 2 * d_k + 2 * r * d_v, -1)  # (h, rows, e)
         q, k, v, z = qkvz.split([d_k, d_k, r * d_v, r * d_v], dim=1)  # per key head
-        b_rows, a_rows = module.in_proj_ba.weight.view(h, 2 * r, -1).split([r, r], dim=1)
+        ba = module.in_proj_ba.weight.view(h, 2 * r, -1)  # (h, 2 r, e): [b_h, a_h] per key head
+        b_rows, a_rows = ba.split([r, r], dim=1)
         with torch.no_grad():
             for lin, rows in (
                 (new.q_proj, q),
@@ -560,7 +562,7 @@ class GatedDeltaNet(nn.Module):
                 (new.b_proj, b_rows),
                 (new.a_proj, a_rows),
             ):
-                lin.weight.copy_(rows.reshape(lin.weight.shape))
+                lin.weight.copy_(rows.reshape(lin.weight.shape))  # (h, rows, e) -> (h rows, e)
             new.conv_weight.copy_(module.conv1d.weight)
             if module.conv1d.bias is not None:
                 raise ValueError("a convolution bias is not supported (Qwen3-Next has none)")

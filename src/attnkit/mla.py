@@ -240,6 +240,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def up_weights(self) -> tuple[Tensor, Tensor]:
         """``W_UK (h, d_n, d_c)`` and ``W_UV (h, d_v, d_c)``, the rows of ``kv_up`` per head."""
+        # (h, d_n + d_v, d_c): each head's key rows, then its value rows
         w = self.kv_up.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_rank)
         w_uk, w_uv = w.split([self.nope_dim, self.v_dim], dim=1)
         return w_uk, w_uv
@@ -248,7 +249,7 @@ class MultiHeadLatentAttention(nn.Module):
         """Per-head keys ``(b, h, j, d_n + d_r)`` and values ``(b, h, j, d_v)`` from latents."""
         b, j, _ = c_kv.shape
         kv = self.kv_up(c_kv).view(b, j, self.num_heads, self.nope_dim + self.v_dim)
-        k_n, v = kv.transpose(1, 2).split([self.nope_dim, self.v_dim], dim=-1)
+        k_n, v = kv.transpose(1, 2).split([self.nope_dim, self.v_dim], dim=-1)  # (b, h, j, .)
         k_r = k_r[:, None].expand(b, self.num_heads, j, self.rope_dim)  # one key for all heads
         return torch.cat([k_n, k_r], dim=-1), v
 
@@ -336,7 +337,7 @@ class MultiHeadLatentAttention(nn.Module):
         o, weights = result if isinstance(result, tuple) else (result, None)
         if absorb:
             return self.absorb_output(o), weights  # (b, i, h d_v)
-        return o.transpose(1, 2).reshape(b, i, h * self.v_dim), weights
+        return o.transpose(1, 2).reshape(b, i, h * self.v_dim), weights  # (b, i, h d_v)
 
     def _attend_absorbed(
         self,
@@ -360,7 +361,7 @@ class MultiHeadLatentAttention(nn.Module):
         if mask is not None:
             keep = mask if keep is None else keep & mask
         if keep is not None:
-            keep = pad_to_rank(keep, 4).expand(b, h, i, j).reshape(b, 1, h * i, j)
+            keep = pad_to_rank(keep, 4).expand(b, h, i, j).reshape(b, 1, h * i, j)  # (b, 1, h i, j)
         values = kv[..., : self.kv_rank]  # c_kv, a view
         result = scaled_dot_product_attention(
             q, kv[:, None], values[:, None], keep, scale=self.scale,
@@ -368,7 +369,7 @@ class MultiHeadLatentAttention(nn.Module):
         )  # fmt: skip
         o, weights = result if isinstance(result, tuple) else (result, None)
         o = o.view(b, h, i, self.kv_rank)  # (b, h, i, d_c)
-        weights = None if weights is None else weights.view(b, h, i, j)
+        weights = None if weights is None else weights.view(b, h, i, j)  # (b, h, i, j)
         return self.absorb_output(o), weights
 
     @classmethod
@@ -433,9 +434,9 @@ def copy_latent_attention(
         """``w`` with the RoPE rows ``first .. first + d_r`` of each head reordered."""
         if order is None:
             return w
-        w = w.view(-1, rows_per_head, w.shape[-1]).clone()
+        w = w.view(-1, rows_per_head, w.shape[-1]).clone()  # (heads, rows_per_head, in)
         w[:, first : first + d_r] = w[:, first + order]
-        return w.view(-1, w.shape[-1])
+        return w.view(-1, w.shape[-1])  # (heads rows_per_head, in)
 
     with torch.no_grad():
         q_up = new.q_proj if new.q_proj is not None else new.q_up

@@ -209,7 +209,7 @@ class DifferentialAttention(nn.Module):
         b, h, n, d = x.shape
         halves = x.unflatten(-1, (2, d // 2)).transpose(2, 3)  # (b, h, 2, n, d/2)
         out = fn(halves.reshape(b, 2 * h, n, d // 2))  # (b, 2h, n, d/2)
-        return out.view(b, h, 2, n, d // 2).transpose(2, 3).reshape(b, h, n, d)
+        return out.view(b, h, 2, n, d // 2).transpose(2, 3).reshape(b, h, n, d)  # (b, h, n, d)
 
     def forward(
         self, attend: Attend, q: Tensor, k: Tensor, v: Tensor
@@ -321,11 +321,11 @@ class Registers(nn.Module):
             )
         mask = pad_to_rank(mask, 4)
         b, h, i, _ = mask.shape
-        mask = mask.expand(b, h, i, n)
+        mask = mask.expand(b, h, i, n)  # (b, h, i, n)
         r = self.count
         to_registers = torch.ones(b, h, i, r, dtype=torch.bool, device=mask.device)
         mask = torch.cat([to_registers, mask], dim=-1)  # (b, h, i, r + n)
         if i != 1:  # rows per query: the registers' rows see what any query sees
-            seen = mask.any(dim=-2, keepdim=True).expand(b, h, r, r + n)
+            seen = mask.any(dim=-2, keepdim=True).expand(b, h, r, r + n)  # (b, h, r, r + n)
             mask = torch.cat([seen, mask], dim=-2)  # (b, h, r + n, r + n)
         return mask

@@ -134,7 +134,7 @@ def write_kv(
     """Store new keys/values ``(t, h_kv, d)`` at flat ``slots (t,)`` of pools ``(N, s, h_kv, d)``
     (in place: the pool is a view of ``(N * s, h_kv, d)`` positions)."""
     n, s, h_kv, d = key_pool.shape
-    key_pool.view(n * s, h_kv, d).index_copy_(0, slots, key.to(key_pool.dtype))
+    key_pool.view(n * s, h_kv, d).index_copy_(0, slots, key.to(key_pool.dtype))  # (N s, h_kv, d)
     value_pool.view(n * s, h_kv, d).index_copy_(0, slots, value.to(value_pool.dtype))
 
 
@@ -203,7 +203,7 @@ def paged_attention(
         og = _attend_group(
             qg, key_pool, value_pool, block_tables[group], lengths[group], scale
         )  # (g, i, h, d)
-        out.index_copy_(0, token_index, og.reshape(len(rows) * i, h, d))
+        out.index_copy_(0, token_index, og.reshape(len(rows) * i, h, d))  # (g i, h, d)
     return out
 
 
