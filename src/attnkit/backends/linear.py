@@ -99,7 +99,7 @@ def linear_attention(
         z = pk.sum(dim=2)  # (b, h_kv, d)
         num = pq @ state.unsqueeze(2)  # (b, h_kv, g, i, dv)
         den = pq @ z[:, :, None, :, None]  # (b, h_kv, g, i, 1)
-        return (num / (den + eps)).reshape(b, h, ni, dv).to(query.dtype)
+        return (num / (den + eps)).reshape(b, h, ni, dv).to(query.dtype)  # (b, h, i, dv)
 
     # Keys before the aligned part (j - i of them) are visible to every query: an initial state.
     lead = causal_offset(ni, nj)
@@ -123,11 +123,11 @@ def linear_attention(
     prev_z = chunk_z.cumsum(dim=2) - chunk_z + z0.unsqueeze(2)
     # Within a chunk: the quadratic form with a causal mask, (b, h_kv, g, chunks, c, c).
     tri = torch.ones(c, c, dtype=torch.bool, device=query.device).tril()
-    a = (qc @ kc.unsqueeze(2).transpose(-2, -1)) * tri
+    a = (qc @ kc.unsqueeze(2).transpose(-2, -1)) * tri  # (b, h_kv, g, chunks, c, c)
     num = a @ vc.unsqueeze(2) + qc @ prev_state.unsqueeze(2)  # (b, h_kv, g, chunks, c, dv)
     den = a.sum(dim=-1, keepdim=True) + qc @ prev_z[:, :, None, :, :, None]  # (..., c, 1)
     out = (num / (den + eps)).reshape(b, hk, g, nc * c, dv)[..., :ni, :]  # (b, h_kv, g, i, dv)
-    return out.reshape(b, h, ni, dv).to(query.dtype)
+    return out.reshape(b, h, ni, dv).to(query.dtype)  # (b, h, i, dv)
 
 
 @attention_op

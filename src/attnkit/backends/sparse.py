@@ -153,7 +153,7 @@ def topk_attention(
     k = key.to(compute).repeat_interleave(g, dim=1) if g > 1 else key.to(compute)  # (b, h, j, d)
     v = value.to(compute).repeat_interleave(g, dim=1) if g > 1 else value.to(compute)
     v_flat = v.reshape(b * h * nj, dv)  # (b * h * j, dv): one row per (batch, head, key)
-    base = (torch.arange(b * h, device=query.device) * nj).view(b, h, 1, 1)
+    base = (torch.arange(b * h, device=query.device) * nj).view(b, h, 1, 1)  # v_flat's first rows
     outs = []
     for i0 in range(0, ni, chunk_size):
         i1 = min(ni, i0 + chunk_size)
@@ -164,7 +164,7 @@ def topk_attention(
             allowed = m[:, :, i0:i1] if m.shape[2] != 1 else m
         if is_causal:
             i = torch.arange(i0, i1, device=query.device).view(-1, 1) + causal_offset(ni, nj)
-            causal = torch.arange(nj, device=query.device).view(1, -1) <= i
+            causal = torch.arange(nj, device=query.device).view(1, -1) <= i  # (c, j)
             allowed = causal if allowed is None else allowed & causal
         if allowed is not None:
             s = s.masked_fill(~allowed, floor)

@@ -136,9 +136,9 @@ def dequantize(raw: Tensor, kind: int, k: int) -> Tensor:
     if fmt is F32:
         values = blocks.view(torch.float32)  # (nb, 1)
     elif fmt is F16:
-        values = blocks.view(torch.float16).float()
+        values = blocks.view(torch.float16).float()  # (nb, 1)
     elif fmt is BF16:
-        values = blocks.view(torch.bfloat16).float()
+        values = blocks.view(torch.bfloat16).float()  # (nb, 1)
     elif fmt is Q8_0:
         d = _f16(blocks, 0)  # (nb, 1)
         q = blocks[:, 2:].view(torch.int8).float()  # (nb, 32)
@@ -159,6 +159,7 @@ def dequantize(raw: Tensor, kind: int, k: int) -> Tensor:
         low = (ql.view(nb, 2, 1, 64) >> shifts) & 0x0F  # (nb, half, nibble, 64)
         shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=raw.device)
         high = (qh.view(nb, 2, 1, 32) >> shifts.view(1, 1, 4, 1)) & 0x03  # (nb, half, s, 32)
+        # 6-bit values (nb, 8, 32): the low 4 bits from ql, the top 2 from qh
         q = (low.reshape(nb, 8, 32) | (high.reshape(nb, 8, 32) << 4)).to(torch.int8) - 32
         values = d * q.view(nb, 16, 16).float()  # (nb, groups, 16)
-    return values.reshape(n, k)
+    return values.reshape(n, k)  # (n, k)

@@ -96,7 +96,7 @@ def pairs_of_columns(x: Tensor) -> Tensor:
 
 
 def _transposed(x: Tensor) -> Tensor:
-    return x.transpose(-1, -2).contiguous()
+    return x.transpose(-1, -2).contiguous()  # (..., n, d) -> (..., d, n), contiguous
 
 
 def _sizes(q: Tensor, k: Tensor, v: Tensor, p: Plan, tiles: tuple[int, int]) -> dict[str, int]:
@@ -154,7 +154,7 @@ def _forward(q, k, v, bias, p: Plan, s: Setup):
     lse = q.new_empty(nb, h, ni, dtype=acc)
     shift = q.new_empty(2, nb, h, ni, dtype=acc)
     poisoned = None if bad is None else torch.zeros(nb, h, ni, dv, dtype=torch.bool)
-    bias_ = None if bias is None else bias.to(acc).expand(nb, h, ni, nj)
+    bias_ = None if bias is None else bias.to(acc).expand(nb, h, ni, nj)  # (b, h, i, j)
     q_norm, k_norm = _norms(q_, k_, p, acc)
     tiles = (s.block_q, s.block_k)
     offsets, kept = _tile_plan(q, k, p, tiles).tensors()  # key tiles of each query tile
@@ -201,7 +201,7 @@ def _backward(q, k, v, bias, out, shift, grad_out, bad, p: Plan, s: Setup, want_
     dk_h = torch.zeros(nb, h, nj_p, d_p, dtype=acc)  # per query head, summed below
     dv_h = torch.zeros(nb, h, nj_p, dv_p, dtype=acc)
     dbias_full = torch.zeros(nb, h, ni, nj, dtype=acc) if want_dbias else None
-    bias_ = None if bias is None else bias.to(acc).expand(nb, h, ni, nj)
+    bias_ = None if bias is None else bias.to(acc).expand(nb, h, ni, nj)  # (b, h, i, j)
     relative = None if p.relative is None else p.relative.flip(-1).contiguous()
     q_norm, k_norm = _norms(q_[..., :ni, :d], k_[..., :nj, :d], p, acc)
     tiles = (s.backward_q, s.backward_k)
@@ -213,7 +213,8 @@ def _backward(q, k, v, bias, out, shift, grad_out, bad, p: Plan, s: Setup, want_
         {"scale": p.scale, "negligible": negligible_bits(acc), "nan_rows": float(nan_rows)},
     )  # fmt: skip
     g = h // hk
-    dq = dq_t.mul_(p.scale).transpose(-1, -2)[:, :, :ni, :d]
+    dq = dq_t.mul_(p.scale).transpose(-1, -2)[:, :, :ni, :d]  # (b, h, i, d)
+    # per query head (b, h_kv, g, j, d) summed over each group: (b, h_kv, j, d)
     dk = (dk_h if g == 1 else dk_h.view(nb, hk, g, nj_p, d_p).sum(dim=2))[:, :, :nj, :d]
     dk = dk.mul_(p.scale)
     dv_ = (dv_h if g == 1 else dv_h.view(nb, hk, g, nj_p, dv_p).sum(dim=2))[:, :, :nj, :dv]

@@ -128,7 +128,7 @@ def forward(
         out = q.new_zeros(*q.shape[:-1], dv, dtype=dtype)
         lse = q.new_full(q.shape[:-1], blocked(dtype), dtype=dtype)
         if sinks is not None and q.numel():  # only the sink in each denominator
-            lse = sinks.to(dtype).view(-1, 1).expand_as(lse).clone()
+            lse = sinks.to(dtype).view(-1, 1).expand_as(lse).clone()  # (h, 1) -> (b, h, i)
         return out, lse, None
     tiles = Tiles(spec, q, k)
     g, dtype, nb = tiles.g, tiles.dtype, tiles.nb

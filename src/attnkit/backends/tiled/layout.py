@@ -52,8 +52,9 @@ def tile_rows(t: Tensor, g: int, bi: int, bj: int) -> Tensor:
     if g == 1:
         return t
     nb, nh = t.shape[0], t.shape[1]
-    t = t.expand(nb, nh, bi, bj)
+    t = t.expand(nb, nh, bi, bj)  # (b, h or 1, bi, bj)
     if nh == 1:
+        # (b, 1, bi, g, bj) -> (b, 1, bi * g, bj): each row g times
         return t.unsqueeze(3).expand(nb, 1, bi, g, bj).reshape(nb, 1, bi * g, bj)
     return rows(t, g)  # (b, h_kv, bi * g, bj)
 
@@ -61,7 +62,7 @@ def tile_rows(t: Tensor, g: int, bi: int, bj: int) -> Tensor:
 def flip_queries(x: Tensor, g: int) -> Tensor:
     """Reverse the query order of a row-layout block ``(n, rows, ...)``, keeping each query's
     ``g`` rows in order (a copy)."""
-    return x.unflatten(1, (-1, g)).flip(1).flatten(1, 2)
+    return x.unflatten(1, (-1, g)).flip(1).flatten(1, 2)  # via (n, queries, g, ...)
 
 
 def flat(t: Tensor) -> Tensor:

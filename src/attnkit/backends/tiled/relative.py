@@ -30,7 +30,8 @@ def sliding_max(t: Tensor, w: int) -> Tensor:
     """
     n = t.shape[-1]
     pad = -n % w
-    blocks = torch.nn.functional.pad(t, (0, pad), value=-math.inf).unflatten(-1, (-1, w))
+    blocks = torch.nn.functional.pad(t, (0, pad), value=-math.inf)
+    blocks = blocks.unflatten(-1, (-1, w))  # (..., blocks, w)
     prefix = blocks.cummax(dim=-1).values.flatten(-2)
     suffix = blocks.flip(-1).cummax(dim=-1).values.flip(-1).flatten(-2)
     return torch.maximum(suffix[..., : n - w + 1], prefix[..., w - 1 : n])
@@ -70,7 +71,7 @@ class Relative:
                 f"(b, h, i, j) = (1, {h}, 1, {self.length}) offsets; expected a shape "
                 f"broadcastable to {want}"
             ) from None
-        self.table = values.reshape(h, self.length).to(dtype).contiguous()
+        self.table = values.reshape(h, self.length).to(dtype).contiguous()  # (h, offsets)
         self._maxes: dict[int, Tensor] = {}  # sliding row maxima per tile width
 
     def _view(self, t: Tensor, i0: int, i1: int, j0: int, cols: tuple[int, ...]) -> Tensor:
@@ -93,4 +94,4 @@ class Relative:
         maxes = self._maxes.get(w)
         if maxes is None:
             maxes = self._maxes[w] = sliding_max(self.table, w)
-        return self._view(maxes, i0, i1, j0, ()).reshape(1, self.hk, -1)
+        return self._view(maxes, i0, i1, j0, ()).reshape(1, self.hk, -1)  # (1, h_kv, rows g)

@@ -59,7 +59,7 @@ def needed(
     if floor is None:
         return 0, tiles.hk
     bh, rows = q_norm.shape
-    top = (top * LOG2E).expand(tiles.nb, tiles.hk, rows).reshape(bh, rows)
+    top = (top * LOG2E).expand(tiles.nb, tiles.hk, rows).reshape(bh, rows)  # (b * h_kv, rows)
     bound = torch.addcmul(top, q_norm, k_norm.amax(dim=-1, keepdim=True)).add_(1.0)
     below = floor - negligible_bits(tiles.dtype)
     need = ~(bound < below).all(dim=-1)  # (b * h_kv,); NaN: needed
