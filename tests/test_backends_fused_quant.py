@@ -226,7 +226,7 @@ def _standalone(cpu_class: str):
 
     flags = ["-O3", "-std=c++17", "-fopenmp", *jit._CAPABILITY_FLAGS.get(cpu_class, [])]
     digest = hashlib.sha256(" ".join([*flags, torch.__version__]).encode())
-    for name in ("fused.h", "quant.h", "interleaved.h", "quant.cpp", "bindings.h"):
+    for name in ("fused.h", "quant.h", "matvec.h", "interleaved.h", "quant.cpp", "bindings.h"):
         digest.update((jit.HERE / name).read_bytes())
     digest.update(WRAPPER.encode())
     name = f"attnkit_quant_{cpu_class.lower()}_{digest.hexdigest()[:12]}"

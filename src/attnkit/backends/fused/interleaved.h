@@ -33,7 +33,7 @@
 // product is the one of x and q. A Q8_0 word's int8 at byte b is shifted (b < 3) and masked to
 // the word's top byte, q 2^24; the block's sum so comes 2^24 times the exact one, and its scale
 // d 2^-24 (both exact). The block's scales come in once per block, as in the
-// GGUF-row kernels (quant.h's ``matvec``): s = x . q over its 32 values, then d s (and
+// GGUF-row kernels (matvec.h's ``matvec``): s = x . q over its 32 values, then d s (and
 // m sum(x) for Q4_1) added to the output. Each output (row r of x, row c of W) is so one fixed
 // sequence of FMAs, block by block (within a block in the order the values are read), however
 // many rows of x or groups of W a call takes at once: a row's result is the same bits alone
@@ -46,7 +46,7 @@
 // build that prefers GGUF's layout only meets this one in tests).
 #pragma once
 
-#include "quant.h"
+#include "matvec.h"
 
 #include <cmath>
 
@@ -76,7 +76,7 @@ constexpr bool prefers_interleaved() {
 }
 
 // Whether the products of W of this kind (either layout) read the unit sums of x: interleaved
-// Q4_1 always (its tiles add m sum(x) per block), GGUF's rows as quant.h's row kernels do.
+// Q4_1 always (its tiles add m sum(x) per block), GGUF's rows as matvec.h's row kernels do.
 constexpr bool reads_unit_sums(int64_t kind) {
   return kind == (INTERLEAVED | Q4_1) || needs_unit_sums(kind);
 }
@@ -325,7 +325,7 @@ struct GroupBlock {
 
 // acc[r][g] = x[r] . (G groups of a set from ``w``: unit u of group g at w + u unit_stride +
 // g GROUP block_bytes), R rows of x ldx apart (xsum: their unit sums, ``lds`` apart; Q4_1's
-// m sum(x) term). Per unit, as the GGUF-row kernels (quant.h's ``matvec``) compute a block:
+// m sum(x) term). Per unit, as the GGUF-row kernels (matvec.h's ``matvec``) compute a block:
 // s = x . q over the block's 32 values (q the exact small integers: nibbles, minus 8 for Q4_0,
 // or int8), one FMA chain per lane over elements 0 .. 31 in order, then
 // acc += d s (and, Q4_1, acc += m sum(x)): the same order however many rows of x or groups of W

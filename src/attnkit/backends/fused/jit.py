@@ -71,6 +71,7 @@ SOURCES = (
     "forward.cpp",
     "backward.cpp",
     "quant.h",
+    "matvec.h",
     "interleaved.h",
     "kv_tiles.h",
     "quant.cpp",

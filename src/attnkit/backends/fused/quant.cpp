@@ -41,6 +41,7 @@
 #include "fused.h"
 
 #include "interleaved.h"
+#include "matvec.h"
 #include "quant.h"
 
 #include <sstream>
@@ -63,7 +64,7 @@ inline int64_t row_path_rows(int64_t kind) {
   return MATVEC_ROWS;
 }
 
-// The matrix-vector path: rows of W split over torch's intra-op threads (quant.h matvec_range).
+// The matrix-vector path: rows of W split over torch's intra-op threads (matvec.h matvec_range).
 void qmatmul_rows(int64_t kind, const float* x, int64_t m, const uint8_t* w, int64_t row_bytes,
                   int64_t n, int64_t k, float* out) {
   std::vector<float> xsum(reads_unit_sums(kind) ? m * (k / UNIT) : 0);  // (m, units)

@@ -21,7 +21,7 @@
 //         x = x + down(silu(gate(y)) * up(y)), y = rms_norm(x, ffn_norm)
 //     logits = output(rms_norm(x[rows asked for], norm))
 //
-// The products are quant.h's: up to STEP_ROWS rows of x take the row kernels (W read once,
+// The products are matvec.h's: up to STEP_ROWS rows of x take the row kernels (W read once,
 // de-quantised in registers; each product, or the two of gate/up, is one parallel region with
 // W's rows split statically over torch's intra-op threads); more rows (a prefill chunk, a wide
 // batch) take the tile path (a tile of W de-quantised, then torch's matmul). The few
@@ -33,6 +33,7 @@
 // positions.
 #include "fused.h"
 #include "interleaved.h"
+#include "matvec.h"
 #include "quant.h"
 
 #include <algorithm>
@@ -361,7 +362,7 @@ void forward(const Model& M, const int64_t* id, int64_t t, const int64_t* pos, A
                                           x.data() + r * e);
     }
   });
-  // Whether some row kernel reads x's unit sums (quant.h), or x in nibble order (interleaved.h).
+  // Whether some row kernel reads x's unit sums (matvec.h), or x in nibble order (interleaved.h).
   bool any_sums = false, any_placed = false;
   for (const Matrix& mat : M.mats) {
     for (const Part& p : mat.parts) {
