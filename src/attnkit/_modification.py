@@ -96,11 +96,11 @@ class ScoreModification:
         if bias is not None:
             target = s
             if bias.dim() == s.dim() + 1:  # rows (queries * g) split as (queries, g)
-                target = s.view(*s.shape[:-2], bias.shape[-3], -1, s.shape[-1])
+                target = s.view(*s.shape[:-2], bias.shape[-3], -1, s.shape[-1])  # (..., i, g, j)
             if inplace:
                 target.add_(bias, alpha=unit)
             else:
-                s = (target + bias * unit).view(s.shape)
+                s = (target + bias * unit).view(s.shape)  # (..., i g, j) again
         if self.score_mod is not None:
             if index is None:
                 raise ValueError("ScoreModification.apply: a score_mod needs the index tensors")

@@ -24,9 +24,9 @@ def as4d(t: Tensor, ndim: int, lead: tuple[int, ...]) -> Tensor:
     if ndim <= 4:
         return pad_to_rank(t, 4)
     if all(s == 1 for s in t.shape[:-3]):
-        return t.reshape(1, *t.shape[-3:])
+        return t.reshape(1, *t.shape[-3:])  # (1, h, i, x)
     t = t.expand(*lead, *t.shape[-3:])  # a broadcast leading axis is copied here, only here
-    return t.reshape(-1, *t.shape[-3:])
+    return t.reshape(-1, *t.shape[-3:])  # (prod(lead), h, i, x)
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,11 @@ class EngineInputs:
 
     def output(self, out: Tensor) -> Tensor:
         """An engine's ``(b, h, i, dv)`` output in the call's shape ``(..., h, i, dv)``."""
-        return out.reshape(self.shape)
+        return out.reshape(self.shape)  # (..., h, i, dv)
 
     def lse(self, lse: Tensor) -> Tensor:
         """An engine's log-sum-exp ``(b, h, i)`` in the call's shape ``(..., h, i)``."""
-        return lse.reshape(self.shape[:-1])
+        return lse.reshape(self.shape[:-1])  # (..., h, i)
 
 
 def engine_inputs(call: AttentionCall) -> EngineInputs:

@@ -93,7 +93,7 @@ def _sampled(fn, tiles: list[tuple[int, int, int, int, bool]], work) -> list[boo
             seen = fn(
                 zero, zero, rows.to(device).view(1, -1, 8, 1), cols.to(device).view(1, -1, 1, 8)
             )
-        seen = seen.expand(1, len(tiles), 8, 8).reshape(len(tiles), -1).any(dim=1)
+        seen = seen.expand(1, len(tiles), 8, 8).reshape(len(tiles), -1).any(dim=1)  # (tiles,)
         return [bool(x) for x in seen.cpu()]
     except Exception:
         return [True] * len(tiles)

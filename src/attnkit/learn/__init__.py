@@ -156,7 +156,7 @@ def _patches(images: Tensor, patch: int) -> Tensor:
     b, side, _ = images.shape
     g = side // patch
     x = images.reshape(b, g, patch, g, patch).permute(0, 1, 3, 2, 4)  # (b, row, col, y, x)
-    return x.reshape(b, g * g, patch * patch)
+    return x.reshape(b, g * g, patch * patch)  # (b, patches, pixels per patch)
 
 
 def _seasonal_cases() -> Iterator[tuple[Any, ...]]:

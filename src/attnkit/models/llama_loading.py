@@ -112,12 +112,14 @@ def permute_qk(w: Tensor | np.ndarray, heads: int) -> Tensor | np.ndarray:
     pair ``(k, k + d/2)`` becomes the adjacent pair ``(2k, 2k + 1)`` that llama.cpp's RoPE
     rotates. ``heads`` is ``h`` for queries and ``h_kv`` for keys."""
     rows = w.shape[0]
+    # (heads, s, k, ...) -> (heads, k, s, ...): row s d/2 + k of a head becomes row 2 k + s
     return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def unpermute_qk(w: Tensor | np.ndarray, heads: int) -> Tensor | np.ndarray:
     """The inverse of ``permute_qk``: GGUF rows ``2k + s`` back to ``s * d/2 + k`` in each head."""
     rows = w.shape[0]
+    # (heads, k, s, ...) -> (heads, s, k, ...)
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
