@@ -36,6 +36,7 @@ from generate import PLAIN_MORE, PROMPTS, STORY
 LENGTHS = (1, 7, 64, 257, 1000)
 NEW_TOKENS = 64
 BLOCK = 32  # values per int8 block, as GGUF's Q8_0 and llama.cpp's Q8_1
+ATTNKIT = "attnkit (float32 activations)"  # the row of the real quantised model
 
 
 def int8_blocks(x: Tensor) -> Tensor:
@@ -78,8 +79,8 @@ def rounded(model: nn.Module, round_fn: Callable[[Tensor], Tensor]) -> Iterator[
 
 
 def logits_rows(quant, exact, lengths) -> list[dict[str, object]]:
-    """Per variant: the largest |logit - reference| and the share of positions whose argmax
-    moved, over prompts of ``lengths`` tokens."""
+    """Per variant: the largest |logit - reference| and how many positions' argmax moved, over
+    prompts of ``lengths`` tokens."""
     ids = exact.encode(STORY * 60)
     reference = []
     with torch.inference_mode():
@@ -96,7 +97,7 @@ def logits_rows(quant, exact, lengths) -> list[dict[str, object]]:
                 total += n
         return {"variant": name, "max_error": worst, "argmax_moved": moved, "positions": total}
 
-    rows = [measure("attnkit (float32 activations)", lambda x: quant.model(x).logits[0])]
+    rows = [measure(ATTNKIT, lambda x: quant.model(x).logits[0])]
     for name, fn in ROUNDINGS.items():
         with rounded(exact.model, fn):
             rows.append(measure(name, lambda x: exact.model(x).logits[0]))
@@ -113,7 +114,7 @@ def greedy_counts(quant, exact, prompts) -> dict[str, int]:
         pairs = zip(ids, reference, strict=True)
         return sum(llm.generate_ids(p, NEW_TOKENS)[0] == r for p, r in pairs)
 
-    same = {"attnkit (float32 activations)": equal(quant)}
+    same = {ATTNKIT: equal(quant)}
     for name, fn in ROUNDINGS.items():
         with rounded(exact.model, fn):
             same[name] = equal(exact)
