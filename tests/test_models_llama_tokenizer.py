@@ -3,6 +3,7 @@ token-type list of another length, a special token id past the tokens) is refuse
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -11,6 +12,7 @@ pytest.importorskip("tokenizers")
 
 from attnkit.models.llama_tokenizer import LlamaTokenizer
 from llama_oracles import _byte_vocab
+from llama_oracles import bundled_gguf as bundled_gguf
 
 
 def _meta(**changes):
@@ -116,3 +118,40 @@ def _utf8(raw: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def test_a_long_text_takes_the_same_ids_from_either_call(bundled_gguf) -> None:
+    from attnkit.models.llama_tokenizer import LONG_TEXT
+
+    tok = bundled_gguf.tokenizer
+    text = "<|im_start|>user\nGrüße, café 😀 " + "the quick brown fox " * (LONG_TEXT // 10)
+    assert len(text) >= LONG_TEXT
+    assert tok.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_other_threads_run_while_a_long_text_is_tokenised() -> None:
+    """Not a speed: whether this thread ran at all between the other's start and end (a call
+    that holds the GIL throughout lets it run at most once, right at the start)."""
+    tok = LlamaTokenizer.from_gguf_metadata(_meta())
+    text = "héllo wörld " * 100_000  # about 0.5 s of tokenising
+    marks: dict[str, float] = {}
+    started = threading.Event()
+
+    def work() -> None:
+        started.set()
+        marks["start"] = time.perf_counter()
+        tok.encode(text)
+        marks["end"] = time.perf_counter()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    started.wait()
+    seen = []
+    while worker.is_alive():
+        seen.append(time.perf_counter())
+        time.sleep(0.001)
+    worker.join()
+    during = [t for t in seen if marks["start"] < t < marks["end"]]
+    assert len(during) >= 10, (
+        f"this thread ran {len(during)} times in {marks['end'] - marks['start']:.2f} s"
+    )

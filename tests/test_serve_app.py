@@ -164,6 +164,8 @@ BAD = [
     ({"stop": [""]}, "stop"),
     ({"n": 0}, "n"),
     ({"n": 17}, "n"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
     ({"messages": [{"role": "user", "content": "long " * 300}]}, "messages"),
 ]
 
@@ -189,12 +191,90 @@ def test_bad_requests_are_400_with_an_openai_error(server, client, change, param
         ("/v1/completions", json.dumps({"prompt": [1.5]}).encode()),
         ("/v1/completions", json.dumps({"prompt": [-3]}).encode()),
         ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode()),
+        ("/v1/completions", b"[" * 100_000),  # deeper than the JSON parser goes
+        ("/v1/completions", b'{"prompt": "Hi", "stream": true, "stream_options": 5}'),
+        ("/v1/completions", b'{"prompt": "Hi", "stream_options": {"include_usage": "yes"}}'),
     ],
 )
 def test_malformed_bodies_are_400_never_500(server, path, data) -> None:
     response = requests.post(server[0] + path, data=data, timeout=10)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["message"]
+
+
+def test_a_body_past_the_limit_is_413_before_or_as_it_is_read(server) -> None:
+    import http.client
+
+    from attnkit.serve.app import MAX_BODY_BYTES
+
+    port = int(server[0].rsplit(":", 1)[1])
+    # Declared too large: refused on the header, before a byte of it is read.
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
+    conn.endheaders()
+    declared = conn.getresponse()
+    assert declared.status == 413
+    assert json.loads(declared.read())["error"]["code"] == "request_too_large"
+    conn.close()
+    # Sent in chunks with no length: refused once the bytes read pass the limit.
+    piece = b" " * 2**20
+    chunks = [b'{"prompt": "Hi", "user": "', *[piece] * (MAX_BODY_BYTES // len(piece)), b'"}']
+    response = requests.post(server[0] + "/v1/completions", data=iter(chunks), timeout=60)
+    assert response.status_code == 413, response.text
+    assert "larger than 8 MiB" in response.json()["error"]["message"]
+
+
+def test_prompts_are_tokenised_off_the_event_loop(llm) -> None:
+    """A long text takes its tokeniser a while (about 0.7 s a megabyte); on the event loop
+    that would stall every running stream."""
+    import asyncio
+
+    on_loop = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(llm, name)
+
+        def encode(self, text):
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(True)
+            except RuntimeError:  # no loop runs in this thread
+                on_loop.append(False)
+            return llm.encode(text)
+
+    engine = Engine(llm.model, num_blocks=32, block_size=8, eos_id=llm.eos_id)
+    with LiveServer(create_app(Recording(), engine, model_name=NAME)) as url:
+        text = {"model": NAME, "prompt": "Hi there", "max_tokens": 1}
+        chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        assert requests.post(url + "/v1/completions", json=text, timeout=30).status_code == 200
+        assert requests.post(url + "/v1/chat/completions", json=chat, timeout=30).ok
+    assert on_loop == [False, False]
+
+
+LONE = "\ud800"  # half of a surrogate pair: JSON's escapes spell it, no UTF-8 text holds it
+
+
+@pytest.mark.parametrize(
+    ("path", "data", "param"),
+    [
+        ("/v1/completions", json.dumps({"prompt": "Hi " + LONE}).encode(), "prompt"),
+        ("/v1/completions", b'{"prompt": "Hi \xed\xa0\x80"}', "prompt"),  # the same, as bytes
+        ("/v1/completions", json.dumps({"prompt": "Hi", "stop": [LONE]}).encode(), "stop"),
+        (
+            "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": LONE}]}).encode(),
+            "messages",
+        ),
+    ],
+)
+def test_text_that_is_not_unicode_is_400_naming_its_parameter(server, path, data, param) -> None:
+    response = requests.post(server[0] + path, data=data, timeout=10)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "not valid Unicode" in error["message"]
 
 
 @pytest.mark.parametrize(

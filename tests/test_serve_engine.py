@@ -160,6 +160,13 @@ def test_sampling_with_a_seed_repeats_and_greedy_stops_at_the_end_token() -> Non
     assert gen.result(0) == (sampled[0][: sampled[0].index(eos) + 1], "stop")
 
 
+def test_the_seeds_at_either_end_of_torchs_range_sample() -> None:
+    engine = Engine(tiny_model())
+    gens = [engine.submit([1, 2], 3, Sampling(1.0), seed=s) for s in (-(2**63), 2**64 - 1)]
+    engine.run_until_idle()
+    assert [len(g.result(0)[0]) for g in gens] == [3, 3]
+
+
 def test_bad_requests_are_refused_before_they_queue() -> None:
     engine = Engine(tiny_model(), num_blocks=4, block_size=4, max_waiting=1)
     for args, match in [
@@ -171,6 +178,9 @@ def test_bad_requests_are_refused_before_they_queue() -> None:
     ]:
         with pytest.raises(ValueError, match=match):
             engine.submit(*args)
+    for seed in (2**64, -(2**63) - 1, 1.5, True):  # torch.Generator takes -2**63..2**64 - 1
+        with pytest.raises(ValueError, match=r"seed must be an int in -2\*\*63\.\.2\*\*64 - 1"):
+            engine.submit([1], 2, Sampling(1.0), seed=seed)
     engine.submit([1], 2)
     with pytest.raises(QueueFull):
         engine.submit([1], 2)

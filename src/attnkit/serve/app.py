@@ -9,7 +9,8 @@ unchanged (``base_url="http://127.0.0.1:8000/v1"``).
 Errors are OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``: 400 for a request
 that can never succeed (unknown model, empty messages, ``max_tokens`` < 1 or past the context,
 a prompt longer than the context, ``temperature`` outside 0..2, ``top_p`` outside (0, 1]),
-429 when the waiting queue is full, 503 while shutting down. A client's mistake is never a 500.
+413 for a body over ``MAX_BODY_BYTES``, 429 when the waiting queue is full, 503 while shutting
+down. A client's mistake is never a 500.
 
 Each request's tokens come from the engine's thread as events, handed to the event loop a step
 at a time (one ``call_soon_threadsafe`` after each engine step). When the client goes away (a
@@ -39,6 +40,7 @@ from attnkit.serve.params import (
     ApiError,
     is_int,
     logprobs_json,
+    not_unicode,
     sampling_of,
     scoring_of,
     stops_of,
@@ -51,6 +53,9 @@ _log = logging.getLogger("attnkit")
 
 
 MAX_CHOICES = 16  # n: choices per request, at most
+# A request body's bytes, at most (413 beyond): a prompt that fills SmolLM2's context is about
+# 40 KB of text, a logit_bias for every token about 0.8 MB; more is read and parsed for nothing.
+MAX_BODY_BYTES = 8 * 2**20
 
 
 class Scores:
@@ -200,13 +205,42 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
             metrics_text(engine, rejected), media_type="text/plain; version=0.0.4"
         )
 
+    async def read_body(request: Request) -> bytes:
+        """The body's bytes, refused with 413 past ``MAX_BODY_BYTES`` (by its Content-Length
+        before any is read, else as the bytes come)."""
+        too_large = ApiError(
+            413,
+            f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB",
+            code="request_too_large",
+        )
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def body_of(request: Request) -> dict[str, Any]:
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await read_body(request))
         except (ValueError, UnicodeDecodeError) as err:
             raise ApiError(400, f"the request body is not valid JSON: {err}") from err
+        except RecursionError:
+            raise ApiError(400, "the request body nests arrays or objects too deeply") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        broken = not_unicode(body)
+        if broken is not None:
+            raise ApiError(
+                400,
+                "the request has text that is not valid Unicode (a lone surrogate such as "
+                f"\\ud800){f' in {broken}' if broken else ''}",
+                broken or None,
+            )
         model = body.get("model")
         if model is not None and model != model_name:
             raise ApiError(
@@ -245,8 +279,10 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
         sampling = sampling_of(body)
         scoring = scoring_of(body, engine.model.config.vocab_size, chat="messages" in body)
         seed = body.get("seed")
-        if seed is not None and not is_int(seed):
-            raise ApiError(400, f"seed must be an integer, got {seed!r}", "seed")
+        if seed is not None and (not is_int(seed) or not -(2**63) <= seed < 2**63):
+            raise ApiError(
+                400, f"seed must be a 64-bit integer (-2**63 to 2**63 - 1), got {seed!r}", "seed"
+            )
         ignore_eos = body.get("ignore_eos", False)  # vLLM's extension, for benchmarks
         if not isinstance(ignore_eos, bool):
             raise ApiError(
@@ -358,8 +394,16 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
-        options = body.get("stream_options") or {}
-        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        options = body.get("stream_options")
+        options = {} if options is None else options
+        include_usage = options.get("include_usage", False) if isinstance(options, dict) else None
+        if not isinstance(include_usage, bool):
+            raise ApiError(
+                400,
+                "stream_options must be an object whose include_usage is true or false, got "
+                f"{options!r}",
+                "stream_options",
+            )
         choices = start(prompt, body, default_max)
         gens = [gen for gen, _ in choices]
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -510,7 +554,9 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
                     "messages",
                 )
             clean.append({"role": role, "content": content})
-        prompt = llm.encode(llm.chat_prompt(clean))
+        # Rendering and tokenising take a thread: a long text would stall every stream for its
+        # time on the event loop (about 0.7 s a megabyte).
+        prompt = await asyncio.to_thread(lambda: llm.encode(llm.chat_prompt(clean)))
         return await respond(request, body, prompt, chat=True, default_max=None)
 
     @app.post("/v1/completions")
@@ -520,7 +566,7 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            ids = llm.encode(prompt)
+            ids = await asyncio.to_thread(llm.encode, prompt)  # off the event loop, as in chat
         elif isinstance(prompt, list) and all(is_int(t) for t in prompt):
             ids = list(prompt)
         else:

@@ -281,8 +281,8 @@ class Engine:
     ) -> Generation:
         """Queue a request. Raises ``ValueError`` for a request that can never run (an empty
         or too long prompt, ``max_tokens`` < 1 or past the context, a biased token outside
-        the vocabulary), ``QueueFull`` or ``EngineStopped`` for one the server cannot take
-        now."""
+        the vocabulary, a seed torch cannot take), ``QueueFull`` or ``EngineStopped`` for one
+        the server cannot take now."""
         prompt = list(prompt)
         vocab = self.model.config.vocab_size
         scoring = scoring or Scoring()
@@ -299,6 +299,12 @@ class Engine:
             raise ValueError(
                 f"the prompt ({len(prompt)} tokens) and max_tokens ({max_tokens}) exceed the "
                 f"model's context of {self.max_len} tokens"
+            )
+        if seed is not None and (
+            not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64
+        ):
+            raise ValueError(
+                f"seed must be an int in -2**63..2**64 - 1 (torch.Generator's seeds), got {seed!r}"
             )
         capacity = self.pool.num_blocks * self.pool.block_size
         if len(prompt) + 1 > capacity:

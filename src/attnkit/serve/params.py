@@ -13,7 +13,15 @@ from typing import Any
 from attnkit.models.llama_generate import Sampling
 from attnkit.serve.engine import Generation, Scoring
 
-__all__ = ["ApiError", "is_int", "logprobs_json", "sampling_of", "scoring_of", "stops_of"]
+__all__ = [
+    "ApiError",
+    "is_int",
+    "logprobs_json",
+    "not_unicode",
+    "sampling_of",
+    "scoring_of",
+    "stops_of",
+]
 
 
 class ApiError(Exception):
@@ -35,6 +43,35 @@ class ApiError(Exception):
 
 def is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def not_unicode(body: Mapping[str, Any]) -> str | None:
+    """Where a parsed JSON body holds a string that is not valid Unicode, or None: the
+    top-level key whose value holds it ("" for a key itself). JSON's escapes can spell a lone
+    surrogate (``"\\ud800"``), which no tokenizer or UTF-8 answer can carry."""
+    for name, value in body.items():
+        if not _encodes(name):
+            return ""
+        stack = [value]  # a walk, not recursion: JSON nests as deep as the parser allowed
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str):
+                if not _encodes(item):
+                    return name
+            elif isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _real(x: object) -> bool:
