@@ -205,7 +205,7 @@ def test_malformed_bodies_are_400_never_500(server, path, data) -> None:
 def test_a_body_past_the_limit_is_413_before_or_as_it_is_read(server) -> None:
     import http.client
 
-    from attnkit.serve.app import MAX_BODY_BYTES
+    from attnkit.serve.params import MAX_BODY_BYTES
 
     port = int(server[0].rsplit(":", 1)[1])
     # Declared too large: refused on the header, before a byte of it is read.

@@ -9,8 +9,8 @@ unchanged (``base_url="http://127.0.0.1:8000/v1"``).
 Errors are OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``: 400 for a request
 that can never succeed (unknown model, empty messages, ``max_tokens`` < 1 or past the context,
 a prompt longer than the context, ``temperature`` outside 0..2, ``top_p`` outside (0, 1]),
-413 for a body over ``MAX_BODY_BYTES``, 429 when the waiting queue is full, 503 while shutting
-down. A client's mistake is never a 500.
+413 for a body over 8 MiB (``params.MAX_BODY_BYTES``), 429 when the waiting queue is full, 503
+while shutting down. A client's mistake is never a 500.
 
 Each request's tokens come from the engine's thread as events, handed to the event loop a step
 at a time (one ``call_soon_threadsafe`` after each engine step). When the client goes away (a
@@ -38,9 +38,10 @@ from attnkit.serve.engine import Engine, EngineStopped, Generation, QueueFull
 from attnkit.serve.forward import use_fused_kernel
 from attnkit.serve.params import (
     ApiError,
+    Scores,
+    include_usage_of,
     is_int,
-    logprobs_json,
-    not_unicode,
+    json_object,
     sampling_of,
     scoring_of,
     stops_of,
@@ -53,38 +54,6 @@ _log = logging.getLogger("attnkit")
 
 
 MAX_CHOICES = 16  # n: choices per request, at most
-# A request body's bytes, at most (413 beyond): a prompt that fills SmolLM2's context is about
-# 40 KB of text, a logit_bias for every token about 0.8 MB; more is read and parsed for nothing.
-MAX_BODY_BYTES = 8 * 2**20
-
-
-class Scores:
-    """One choice's log-probabilities as its text goes out: the tokens given out so far and
-    where each one's text begins (legacy completions' ``text_offset``)."""
-
-    def __init__(self, gen: Generation, chat: bool, token_of: Any) -> None:
-        self.gen, self.chat, self.token_of = gen, chat, token_of
-        self.offsets: list[int] = []
-        self.tokens = self.chars = 0  # tokens and characters given out
-
-    def reach(self, covered: int, text_before: int) -> None:
-        """The tokens up to ``covered`` begin where the text was ``text_before`` long."""
-        while len(self.offsets) < covered:
-            self.offsets.append(text_before)
-
-    def take(self, covered: int, text_before: int) -> dict[str, Any] | None:
-        """The log-probabilities of the tokens not given out yet, up to ``covered``."""
-        if self.gen.scoring.logprobs is None:
-            return None
-        self.reach(covered, text_before)
-        start, self.tokens = self.tokens, covered
-        return logprobs_json(self.gen, start, covered, self.chat, self.offsets, self.token_of)
-
-    def streamed(self, covered: int, piece_chars: int) -> dict[str, Any] | None:
-        """``take`` for a streamed piece of ``piece_chars`` characters (None: no new token)."""
-        before = self.chars
-        self.chars += piece_chars
-        return None if covered == self.tokens else self.take(covered, before)
 
 
 # The chat roles, as the chat template spells them: OpenAI's "developer" messages are what its
@@ -205,42 +174,8 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
             metrics_text(engine, rejected), media_type="text/plain; version=0.0.4"
         )
 
-    async def read_body(request: Request) -> bytes:
-        """The body's bytes, refused with 413 past ``MAX_BODY_BYTES`` (by its Content-Length
-        before any is read, else as the bytes come)."""
-        too_large = ApiError(
-            413,
-            f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB",
-            code="request_too_large",
-        )
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise too_large
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise too_large
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def body_of(request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await read_body(request))
-        except (ValueError, UnicodeDecodeError) as err:
-            raise ApiError(400, f"the request body is not valid JSON: {err}") from err
-        except RecursionError:
-            raise ApiError(400, "the request body nests arrays or objects too deeply") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        broken = not_unicode(body)
-        if broken is not None:
-            raise ApiError(
-                400,
-                "the request has text that is not valid Unicode (a lone surrogate such as "
-                f"\\ud800){f' in {broken}' if broken else ''}",
-                broken or None,
-            )
+        body = await json_object(request)
         model = body.get("model")
         if model is not None and model != model_name:
             raise ApiError(
@@ -394,16 +329,7 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
-        options = body.get("stream_options")
-        options = {} if options is None else options
-        include_usage = options.get("include_usage", False) if isinstance(options, dict) else None
-        if not isinstance(include_usage, bool):
-            raise ApiError(
-                400,
-                "stream_options must be an object whose include_usage is true or false, got "
-                f"{options!r}",
-                "stream_options",
-            )
+        include_usage = include_usage_of(body)
         choices = start(prompt, body, default_max)
         gens = [gen for gen, _ in choices]
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

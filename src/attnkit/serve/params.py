@@ -1,11 +1,13 @@
-"""The parameters of a completion request, checked, and the OpenAI shapes the server answers
-in: errors (``ApiError``) and log-probabilities.
+"""A completion request read and its parameters checked, and the OpenAI shapes the server
+answers in: errors (``ApiError``) and log-probabilities (``Scores``, one choice's as its text
+goes out).
 
 Every check names the parameter it refuses (``param`` in the error), so a client sees which
 part of its request to change; parameters the server does not implement are refused by name,
 never ignored.
 """
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -14,8 +16,12 @@ from attnkit.models.llama_generate import Sampling
 from attnkit.serve.engine import Generation, Scoring
 
 __all__ = [
+    "MAX_BODY_BYTES",
     "ApiError",
+    "Scores",
+    "include_usage_of",
     "is_int",
+    "json_object",
     "logprobs_json",
     "not_unicode",
     "sampling_of",
@@ -43,6 +49,64 @@ class ApiError(Exception):
 
 def is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+# A request body's bytes, at most (413 beyond): a prompt that fills SmolLM2's context is about
+# 40 KB of text, a logit_bias for every token about 0.8 MB; more is read and parsed for nothing.
+MAX_BODY_BYTES = 8 * 2**20
+
+
+async def json_object(request: Any) -> dict[str, Any]:
+    """A request's body as a JSON object (a Starlette ``Request``): 413 past ``MAX_BODY_BYTES``
+    (by its Content-Length before any byte is read, else as the bytes come), 400 for what is
+    not a JSON object or holds text that is not valid Unicode."""
+    too_large = ApiError(
+        413,
+        f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB",
+        code="request_too_large",
+    )
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}") from err
+    except RecursionError:
+        raise ApiError(400, "the request body nests arrays or objects too deeply") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    broken = not_unicode(body)
+    if broken is not None:
+        where = f" in {broken}" if broken else ""
+        raise ApiError(
+            400,
+            "the request has text that is not valid Unicode (a lone surrogate such as "
+            f"\\ud800){where}",
+            broken or None,
+        )
+    return body
+
+
+def include_usage_of(body: Mapping[str, Any]) -> bool:
+    """``stream_options.include_usage``: whether a stream ends with a usage chunk."""
+    options = body.get("stream_options")
+    options = {} if options is None else options
+    include_usage = options.get("include_usage", False) if isinstance(options, dict) else None
+    if not isinstance(include_usage, bool):
+        raise ApiError(
+            400,
+            "stream_options must be an object whose include_usage is true or false, got "
+            f"{options!r}",
+            "stream_options",
+        )
+    return include_usage
 
 
 def not_unicode(body: Mapping[str, Any]) -> str | None:
@@ -210,3 +274,32 @@ def stops_of(body: Mapping[str, Any]) -> list[str]:
             400, f"stop must be a non-empty string or a list of up to 4, got {stop!r}", "stop"
         )
     return stops
+
+
+class Scores:
+    """One choice's log-probabilities as its text goes out: the tokens given out so far and
+    where each one's text begins (legacy completions' ``text_offset``)."""
+
+    def __init__(self, gen: Generation, chat: bool, token_of: Any) -> None:
+        self.gen, self.chat, self.token_of = gen, chat, token_of
+        self.offsets: list[int] = []
+        self.tokens = self.chars = 0  # tokens and characters given out
+
+    def reach(self, covered: int, text_before: int) -> None:
+        """The tokens up to ``covered`` begin where the text was ``text_before`` long."""
+        while len(self.offsets) < covered:
+            self.offsets.append(text_before)
+
+    def take(self, covered: int, text_before: int) -> dict[str, Any] | None:
+        """The log-probabilities of the tokens not given out yet, up to ``covered``."""
+        if self.gen.scoring.logprobs is None:
+            return None
+        self.reach(covered, text_before)
+        start, self.tokens = self.tokens, covered
+        return logprobs_json(self.gen, start, covered, self.chat, self.offsets, self.token_of)
+
+    def streamed(self, covered: int, piece_chars: int) -> dict[str, Any] | None:
+        """``take`` for a streamed piece of ``piece_chars`` characters (None: no new token)."""
+        before = self.chars
+        self.chars += piece_chars
+        return None if covered == self.tokens else self.take(covered, before)
