@@ -27,6 +27,7 @@ the engine's thread and must be quick (the server hands them to its event loop).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import queue
@@ -97,6 +98,13 @@ class Scoring:
     def changes_scores(self) -> bool:
         return bool(self.logit_bias) or bool(self.presence_penalty or self.frequency_penalty)
 
+    @functools.cached_property
+    def bias(self) -> tuple[Tensor, Tensor]:
+        """``logit_bias`` as its token ids and biases (float64), made once: a request may bias
+        every token of the vocabulary, and making them anew took 17 ms a step for SmolLM2's."""
+        ids = torch.tensor([t for t, _ in self.logit_bias], dtype=torch.long)
+        return ids, torch.tensor([b for _, b in self.logit_bias], dtype=torch.float64)
+
 
 def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
@@ -136,8 +144,8 @@ class Generation:
             return logits
         out = logits.clone()
         if sc.logit_bias:
-            ids = torch.tensor([t for t, _ in sc.logit_bias])
-            out[0, ids] += torch.tensor([b for _, b in sc.logit_bias], dtype=out.dtype)
+            ids, bias = sc.bias
+            out[0, ids] += bias.to(out.dtype)  # each bias rounded once, as from the floats
         if self.counts and (sc.presence_penalty or sc.frequency_penalty):
             ids = torch.tensor(list(self.counts))
             c = torch.tensor(list(self.counts.values()), dtype=out.dtype)
