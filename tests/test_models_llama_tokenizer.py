@@ -120,13 +120,10 @@ def _utf8(raw: bytes) -> bool:
     return True
 
 
-def test_a_long_text_takes_the_same_ids_from_either_call(bundled_gguf) -> None:
-    from attnkit.models.llama_tokenizer import LONG_TEXT
-
+def test_the_ids_are_the_tokenizers_own(bundled_gguf) -> None:
     tok = bundled_gguf.tokenizer
-    text = "<|im_start|>user\nGrüße, café 😀 " + "the quick brown fox " * (LONG_TEXT // 10)
-    assert len(text) >= LONG_TEXT
-    assert tok.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
+    for text in ["Hi", "<|im_start|>user\nGrüße, café 😀 " + "the quick brown fox " * 1000]:
+        assert tok.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def test_other_threads_run_while_a_long_text_is_tokenised() -> None:

@@ -57,12 +57,6 @@ def _byte_alphabet() -> dict[int, str]:
 
 _BYTE_OF_CHAR = {char: byte for byte, char in _byte_alphabet().items()}
 
-# Characters from which ``encode`` lets other threads run while it works. ``Tokenizer.encode``
-# holds the GIL throughout (about 0.7 s a megabyte), and a server's other streams wait for it;
-# ``encode_batch`` does not, but marks the tokenizers library as having run in parallel (it then
-# warns in a process forked later), so short texts keep ``encode``.
-LONG_TEXT = 10_000
-
 
 class LlamaTokenizer:
     """Text <-> token ids, and chat messages -> prompt text.
@@ -110,10 +104,9 @@ class LlamaTokenizer:
         """Token ids of ``text``; special tokens written in the text are matched whole."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        if len(text) < LONG_TEXT:
-            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        else:  # the same ids; ``encode_batch`` lets go of the GIL while it works
-            ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        # A batch of one: the same ids as ``Tokenizer.encode``, which holds the GIL throughout
+        # (about 0.7 s a megabyte, while a server's streams wait); ``encode_batch`` lets go.
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         if self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
