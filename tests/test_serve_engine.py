@@ -89,6 +89,43 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode() -> None:
     whole(engine)
 
 
+def test_beside_decoding_streams_a_chunk_shrinks_as_its_context_grows() -> None:
+    """A prompt token at position p costs 1 + p / keys_per_token tokens' worth of a step (its
+    products, then its attention over p keys); beside a decoding stream a chunk takes about
+    chunk_tokens of that, and alone it takes chunk_tokens tokens."""
+    model = tiny_model()
+    c = model.config
+    hd, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    engine = Engine(model, num_blocks=160, block_size=8, chunk_tokens=64, prefix_caching=False)
+    k = engine.keys_per_token
+    assert k == (2 * c.embed_dim * hd + 2 * c.embed_dim * kv + 3 * c.embed_dim * c.ffn_dim) / (
+        2 * hd
+    )
+    short, long = prompts_of([3, 500], seed=7)
+    alone = engine.submit(long, 1)
+    engine.step()
+    assert alone.computed == 64  # nothing decodes: the whole budget, in tokens
+    engine.cancel(alone)
+    engine.step()
+    engine.submit(short, 40)
+    engine.step()  # the short one decodes from now on
+    g = engine.submit(long, 1)
+    chunks = []
+    while g.computed < len(long):
+        before = g.computed
+        engine.step()
+        chunks.append((before, g.computed - before))
+
+    def work(start, n):  # what n tokens from start cost, in tokens at the start
+        return n + (n * start + n * (n - 1) / 2) / k
+
+    for start, n in chunks[:-1]:  # every chunk but the prompt's end: the most that fits
+        assert work(start, n) <= 63 < work(start, n + 1)  # 63: the budget less the stream's token
+    assert chunks[0][1] > chunks[-2][1]  # later chunks are shorter
+    engine.run_until_idle()
+    whole(engine)
+
+
 def test_cancelling_returns_every_block() -> None:
     model = tiny_model()
     engine = Engine(model, num_blocks=32, block_size=4, prefix_caching=False)

@@ -34,7 +34,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks (default 512)")
     p.add_argument("--block-size", type=int, default=16, help="positions per KV block")
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
-    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens computed per step")
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=256,
+        help="tokens computed per step (beside decoding streams, a prompt's "
+        "later tokens count for more: their attention reads more keys)",
+    )
     p.add_argument("--no-prefix-cache", action="store_true", help="do not share prompt prefixes")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish")
     p.add_argument("--threads", type=int, default=None, help="threads of the model's steps")

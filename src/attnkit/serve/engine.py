@@ -9,7 +9,8 @@ A static batch waits for its slowest row; a server cannot. So every *step* re-fo
 3. every decoding sequence brings its one new token; prompts still being prefilled share the
    rest of the step's token budget (``chunk_tokens``) in chunks, so a 2,000-token prompt is
    split over several steps and the running streams keep getting a token every step (the
-   chunked prefill of Agrawal et al. 2024, "Sarathi-Serve");
+   chunked prefill of Agrawal et al. 2024, "Sarathi-Serve"); beside them a chunk is measured by
+   its work, attention included, so a long prompt's late chunks are shorter;
 4. one ``paged_forward`` over all of them; each sequence whose last known token was in the step
    gets its next token, and finished ones leave at once.
 
@@ -256,6 +257,11 @@ class Engine:
         with torch.inference_mode():
             llama_step.why_not_paged(self.model, self.pool.keys, self.pool.values)
         self.max_len = c.max_len
+        # Keys whose attention costs a token as much as its products (multiply-adds per token
+        # of the projections and the feed-forward, over 2 h d per key): 3,072 for SmolLM2-135M.
+        hd, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        per_token = 2 * c.embed_dim * hd + 2 * c.embed_dim * kv + 3 * c.embed_dim * c.ffn_dim
+        self.keys_per_token = per_token / (2 * hd)
         self.max_batch, self.max_waiting, self.chunk_tokens = max_batch, max_waiting, chunk_tokens
         self.eos_id = eos_id
         self.threads = threads if threads is not None else torch.get_num_threads()
@@ -521,12 +527,26 @@ class Engine:
             if gen not in self.running:  # preempted to make room for an earlier one
                 continue
             n = min(len(gen.tokens) - gen.computed, budget)
+            if n > 1 and decoding:  # beside streams: the budget's worth of work, not of tokens
+                n = min(n, self._tokens_of_work(gen.computed, budget))
             if n <= 0:
                 break
             if self._grow(gen, gen.computed + n):
                 plan.append((gen, n))
                 budget -= n
         return [(g, n) for g, n in plan if g in self.running]
+
+    def _tokens_of_work(self, start: int, work: int) -> int:
+        """How many prompt tokens from position ``start`` on cost about ``work`` tokens' worth of
+        a step (at least 1). A token at position p costs its products, the same at every p,
+        plus its attention over p keys: 1 + p / ``keys_per_token`` in all. So a chunk beside
+        decoding streams shrinks as its context grows, and their steps stay about as long as
+        one of ``chunk_tokens`` tokens at the start of a prompt, where they would grow with it."""
+        # n tokens from start cost n + (n start + n (n - 1) / 2) / K: the root of that = work
+        k = self.keys_per_token
+        b = 1 + (start - 0.5) / k
+        n = int((-b + math.sqrt(b * b + 2 * work / k)) * k)
+        return max(1, min(work, n))
 
     def _grow(self, gen: Generation, length: int) -> bool:
         """Give ``gen`` blocks for ``length`` positions, preempting the most recently admitted
