@@ -227,8 +227,8 @@ def test_a_body_past_the_limit_is_413_before_or_as_it_is_read(server) -> None:
 
 
 def test_prompts_are_tokenised_off_the_event_loop(llm) -> None:
-    """A long text takes its tokeniser a while (about 0.7 s a megabyte); on the event loop
-    that would stall every running stream."""
+    """A long text takes its tokeniser a while; on the event loop that would stall every
+    running stream."""
     import asyncio
 
     on_loop = []
@@ -411,7 +411,7 @@ def test_penalties_take_off_what_openai_defines():
 
 def test_a_bias_of_every_token_is_made_into_tensors_once(monkeypatch):
     """A request may bias the whole vocabulary: its ids and biases become tensors at its first
-    step, not at every step (for SmolLM2's 49,152 tokens that took 17 ms a step)."""
+    step, not at every step."""
     import torch
 
     from attnkit.models.llama_generate import Sampling

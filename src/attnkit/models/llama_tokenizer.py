@@ -105,7 +105,7 @@ class LlamaTokenizer:
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         # A batch of one: the same ids as ``Tokenizer.encode``, which holds the GIL throughout
-        # (about 0.7 s a megabyte, while a server's streams wait); ``encode_batch`` lets go.
+        # (a server's streams would wait for a long text); ``encode_batch`` lets go of it.
         ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         if self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]

@@ -480,8 +480,8 @@ def create_app(llm: Any, engine: Engine, *, model_name: str, shutdown_timeout: f
                     "messages",
                 )
             clean.append({"role": role, "content": content})
-        # Rendering and tokenising take a thread: a long text would stall every stream for its
-        # time on the event loop (about 0.7 s a megabyte).
+        # Rendering and tokenising take a thread: on the event loop a long text would stall
+        # every stream for as long as it takes.
         prompt = await asyncio.to_thread(lambda: llm.encode(llm.chat_prompt(clean)))
         return await respond(request, body, prompt, chat=True, default_max=None)
 

@@ -101,8 +101,8 @@ class Scoring:
 
     @functools.cached_property
     def bias(self) -> tuple[Tensor, Tensor]:
-        """``logit_bias`` as its token ids and biases (float64), made once: a request may bias
-        every token of the vocabulary, and making them anew took 17 ms a step for SmolLM2's."""
+        """``logit_bias`` as its token ids and biases (float64), made once per request, not
+        once per step: a request may bias every token of the vocabulary."""
         ids = torch.tensor([t for t, _ in self.logit_bias], dtype=torch.long)
         return ids, torch.tensor([b for _, b in self.logit_bias], dtype=torch.float64)
 

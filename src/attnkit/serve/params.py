@@ -97,7 +97,8 @@ async def json_object(request: Any) -> dict[str, Any]:
 def include_usage_of(body: Mapping[str, Any]) -> bool:
     """``stream_options.include_usage``: whether a stream ends with a usage chunk."""
     options = body.get("stream_options")
-    options = {} if options is None else options
+    if options is None:
+        return False
     include_usage = options.get("include_usage", False) if isinstance(options, dict) else None
     if not isinstance(include_usage, bool):
         raise ApiError(
