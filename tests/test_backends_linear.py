@@ -68,3 +68,15 @@ def test_linear_attention_validates_like_the_reference() -> None:
             linear_attention(q, q, q, eps=eps)
     with pytest.raises(ValueError, match="eps must be a non-negative number"):
         linear_attention_quadratic(q, q, q, eps=-1.0)
+
+
+def test_linear_attention_refuses_mixed_devices_and_empty_heads() -> None:
+    x = torch.randn(1, 2, 5, 4)
+    with pytest.raises(ValueError, match="one device"):
+        linear_attention(x.to("meta"), x, x)
+    with pytest.raises(ValueError, match=r"key heads \(0\) must divide"):
+        linear_attention(x, x[:, :0], x[:, :0])
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        linear_attention(x, x, x, is_causal=True, chunk_size=0)
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        linear_attention(x, x, x, is_causal=1)

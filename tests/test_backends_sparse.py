@@ -123,3 +123,31 @@ def test_gathered_backward_with_a_relative_bias_equals_the_reference() -> None:
     g_ref = torch.autograd.grad(ref.square().sum(), (q, k, v))
     for a, b in zip(g_out, g_ref, strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
+def test_topk_keeps_a_hidden_nan_out_and_handles_empty_sides() -> None:
+    q, k, v = _qkv(5)
+    v[0, 0, 4] = float("nan")  # key 4: hidden from rows 0-3 under is_causal
+    out = topk_attention(q, k, v, 5, is_causal=True)
+    ref = scaled_dot_product_attention(q, k, v, is_causal=True, backend="math")
+    assert torch.equal(out.isnan(), ref.isnan())
+    torch.testing.assert_close(out.nan_to_num(7.0), ref.nan_to_num(7.0), atol=1e-12, rtol=0)
+    none = topk_attention(q, k[:, :, :0], v[:, :, :0], 2)  # no key: zeros, as every backend
+    assert none.shape == (2, 4, 5, 6) and none.abs().max() == 0
+    assert topk_attention(q[:, :, :0], k, v, 2).shape == (2, 4, 0, 6)
+
+
+def test_topk_checks_its_arguments_like_the_reference() -> None:
+    q, k, v = _qkv(5)
+    cases = [
+        ((q, k, v, 2), {"is_causal": "no"}, TypeError, "is_causal must be a bool"),
+        ((q.long(), k, v, 2), {}, TypeError, "query must be a floating-point tensor"),
+        ((q, k[:, :1].expand(2, 3, 5, 8), v[:, :1].expand(2, 3, 5, 6), 2), {}, ValueError,
+         "must equal or divide query heads"),
+        ((q, k, v, 2), {"chunk_size": 0}, ValueError, "chunk_size must be a positive int"),
+        ((q, k, v, 0), {}, ValueError, "top_k must be a positive int"),
+        ((q, k, v, 2), {"mask": torch.ones(3, 3, dtype=torch.bool)}, ValueError, "mask"),
+    ]  # fmt: skip
+    for args, kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            topk_attention(*args, **kwargs)

@@ -319,3 +319,38 @@ def test_score_mod_that_changes_the_shape_is_named_and_lse_is_returned() -> None
     scores = q @ k.repeat_interleave(g, dim=1).transpose(-2, -1) / math.sqrt(q.shape[-1])
     torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1), atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(out, torch.softmax(scores, -1) @ v.repeat_interleave(g, dim=1))
+
+
+def test_tiled_attention_checks_its_arguments_before_any_work() -> None:
+    q = torch.randn(1, 2, 9, 8)
+    cases = [
+        ({"block_q": -1}, ValueError, "block_q must be a positive int"),
+        ({"block_k": 0}, ValueError, "block_k must be a positive int"),
+        ({"mask_fn": 3}, TypeError, "mask_fn must be a function"),
+        ({"scale": float("nan")}, TypeError, "scale must be a finite number"),
+        ({"softcap": -1.0}, ValueError, "softcap must be a positive finite number"),
+        ({"mask": torch.ones(9, 9)}, TypeError, "mask must be a bool tensor"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            tiled_attention(q, q, q, **kwargs)
+    with pytest.raises(TypeError, match="query must be a floating-point tensor"):
+        tiled_attention(q.int(), q.int(), q.int())
+    with pytest.raises(ValueError, match="same last dim d"):
+        tiled_attention(q, q[..., :4], q)
+    with pytest.raises(ValueError, match="4-D inputs"):
+        tiled_attention(q[0], q[0], q[0])
+
+
+@pytest.mark.parametrize(("d", "dv"), [(0, 3), (5, 0)])
+def test_zero_width_heads_equal_the_reference(d: int, dv: int) -> None:
+    """d = 0: every score is 0, so each row averages its visible values; dv = 0: empty rows."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, d, dtype=F64, generator=g)
+    k = torch.randn(2, 2, 7, d, dtype=F64, generator=g)
+    v = torch.randn(2, 2, 7, dv, dtype=F64, generator=g, requires_grad=True)
+    for causal in (False, True):
+        out = scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0, backend="tiled")
+        ref = scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0, backend="math")
+        assert out.shape == ref.shape == (2, 4, 5, dv)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)

@@ -11,7 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnkit import DeepSeekSparseAttention, LightningIndexer, MultiHeadLatentAttention
+from attnkit import (
+    DeepSeekSparseAttention,
+    LightningIndexer,
+    MultiHeadLatentAttention,
+    scaled_dot_product_attention,
+)
 from attnkit.dsa import SparseLatentCache, gather_attention
 
 pytest.importorskip("transformers")
@@ -219,3 +224,38 @@ def test_gather_attention_never_builds_query_by_key_tensors():
         out.pow(2).sum().backward()
     assert largest.numel <= q.numel(), largest.op
     assert largest.numel < b * n * n
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_gather_attention_row_with_no_valid_index_is_zero_and_hidden_nan_stays_out(shared):
+    """A row whose indices are all invalid sees no key: zeros and no gradient (as a fully
+    masked row of the reference); a NaN at a key only invalid indices name reaches no row."""
+    gen = torch.Generator().manual_seed(4)
+    b, h, i, j, d, dv, t = 1, 2, 6, 8, 6, 4, 4
+    indices = torch.stack([torch.randperm(j - 1, generator=gen)[:t] for _ in range(i)])[None]
+    valid = torch.rand(b, i, t, generator=gen) > 0.4
+    valid[0, :, 0] = True
+    valid[0, 2] = False  # row 2: nothing
+    indices[0, 2, 0] = j - 1  # key j - 1: named by an invalid index only
+    k = torch.randn(b, j, d, generator=gen, dtype=F64)
+    k[0, j - 1] = float("nan")
+    v = k[..., :dv] if shared else torch.randn(b, j, dv, generator=gen, dtype=F64)
+    if not shared:
+        v[0, j - 1] = float("nan")
+    q = torch.randn(b, h, i, d, generator=gen, dtype=F64, requires_grad=True)
+    out = gather_attention(q, k, v, indices, valid, block=4)
+    keep = torch.zeros(b, i, j, dtype=torch.bool).scatter_(-1, indices, valid)[:, None]
+    ref = scaled_dot_product_attention(q, k[:, None], v[:, None], keep, backend="math")
+    assert not out.isnan().any()
+    assert out[0, :, 2].abs().max() == 0
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    # gradients (the reference's own reach NaN through 0 * nan, so compared on finite keys)
+    k = k.nan_to_num(0.5).requires_grad_()
+    v = k[..., :dv] if shared else v.nan_to_num(0.5).requires_grad_()
+    out = gather_attention(q, k, v, indices, valid, block=4)
+    ref = scaled_dot_product_attention(q, k[:, None], v[:, None], keep, backend="math")
+    leaves = (q, k) if shared else (q, k, v)
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    for grad, grad_ref in zip(grads, torch.autograd.grad(ref.square().sum(), leaves), strict=True):
+        torch.testing.assert_close(grad, grad_ref, rtol=0, atol=1e-12)
+    assert grads[0][0, :, 2].abs().max() == 0

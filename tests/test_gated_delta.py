@@ -93,6 +93,33 @@ def test_chunked_equals_recurrent_with_gradients(n, chunk, l2norm):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize(
+    ("n", "chunk", "resets"), [(6, 4, [2]), (13, 4, [0, 5, 12]), (20, 8, [7, 8])]
+)
+def test_a_decay_of_minus_infinity_empties_the_state_in_both_methods(n, chunk, resets):
+    """g = -inf (exp(g) = 0): nothing before it reaches a later position. The chunked form's
+    cumulative sums meet -inf - -inf there; it must still equal the recurrent reference."""
+    q, k, v, g, beta, s0 = _inputs(n=n, seed=n)
+    with torch.no_grad():
+        k.mul_(0.3)
+        g[:, 1, resets] = float("-inf")
+    inputs = [t.requires_grad_() for t in (q, k, v, g, beta, s0)]
+    results = []
+    for method in ("recurrent", "chunked"):
+        out, state = gated_delta_rule(
+            q, k, v, g, beta, initial_state=s0, output_final_state=True, method=method,
+            chunk_size=chunk,
+        )  # fmt: skip
+        loss = out.square().sum() + state.square().sum()
+        results.append((out, state, torch.autograd.grad(loss, inputs)))
+    (o1, s1, g1), (o2, s2, g2) = results
+    assert not o2.isnan().any() and not s2.isnan().any()
+    torch.testing.assert_close(o2, o1, rtol=0, atol=1e-10)
+    torch.testing.assert_close(s2, s1, rtol=0, atol=1e-10)
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+
+
 def test_final_state_continues_a_sequence():
     q, k, v, g, beta, _ = _inputs(n=41)
     full, full_state = gated_delta_rule(q, k, v, g, beta, output_final_state=True, chunk_size=8)

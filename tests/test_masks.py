@@ -150,3 +150,28 @@ def test_the_largest_offsets_keep_their_meaning_on_every_backend() -> None:
             q, k, v, masks.window_fn(2**62, 2**62), backend=backend
         )
         torch.testing.assert_close(window, full)
+
+
+@pytest.mark.parametrize("backend", ["math", "tiled", "fused", "auto"])
+def test_a_function_that_returns_the_wrong_thing_is_named(backend) -> None:
+    """A mask or bias function's output must be a bool / float tensor that broadcasts to the
+    (b, h, i, j) grid of the indices it is given: anything else is named, on every backend."""
+    from attnkit import scaled_dot_product_attention
+
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    cases = [
+        ({"bias": lambda b, h, i, j: 0.5}, TypeError, "must return a floating-point tensor"),
+        ({"mask": lambda b, h, i, j: (i >= j).float()}, TypeError, "must return a bool tensor"),
+        ({"mask": lambda b, h, i, j: torch.ones(2, 2, dtype=torch.bool)}, ValueError,
+         r"a mask function must return a tensor that broadcasts to the \(b, h, i, j\) grid"),
+        ({"bias": lambda b, h, i, j: torch.zeros(3, 1, 1, 1)}, ValueError,
+         r"a bias function must return a tensor that broadcasts"),
+    ]  # fmt: skip
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            scaled_dot_product_attention(q, k, v, backend=backend, **kwargs)
+    # what does broadcast is served: (i, j) alone, or with a head term
+    for fn in (lambda b, h, i, j: (i >= j)[0, 0], lambda b, h, i, j: (i >= j) & (h < 3)):
+        out = scaled_dot_product_attention(q, k, v, fn, backend=backend)
+        ref = scaled_dot_product_attention(q, k, v, fn, backend="math")
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

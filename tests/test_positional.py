@@ -186,3 +186,42 @@ def test_shaw_relative_attention_cache_and_gradients() -> None:
     assert mod.rel_value.grad is not None and mod.rel_value.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="max_distance"):
         RelativePositionAttention(8, 2, max_distance=-1)
+
+
+@pytest.mark.parametrize("base", [0.0, -2.0, float("nan"), float("inf"), True])
+def test_a_base_that_is_not_a_positive_number_is_refused(base) -> None:
+    for build in (
+        lambda: RotaryEmbedding(4, base=base),
+        lambda: SinusoidalPositionalEncoding(4, base=base),
+        lambda: sinusoidal_table(3, 4, base=base),
+    ):
+        with pytest.raises(ValueError, match="base must be a positive finite number"):
+            build()
+    with pytest.raises(ValueError, match="embed_dim must be a positive int"):
+        SinusoidalPositionalEncoding(-2)
+    with pytest.raises(ValueError, match="max_len must be a positive int"):
+        LearnedPositionalEmbedding(-1, 4)
+
+
+@pytest.mark.parametrize("num_kv_heads", [None, 1])
+def test_shaw_relative_attention_keeps_a_nan_to_the_rows_that_see_it(num_kv_heads) -> None:
+    """A NaN token poisons only the rows that attend it, as the reference math does (the value
+    sum reads hidden keys as 0 instead of multiplying their NaN by a zero weight)."""
+    torch.manual_seed(0)
+    m = RelativePositionAttention(16, 4, max_distance=2, num_kv_heads=num_kv_heads)
+    m = m.eval().double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    x[0, 3] = float("nan")
+    clean = x.nan_to_num(0.0)
+    padding = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    padding[0, ..., 3] = False
+    with torch.no_grad():
+        for kwargs, nan_rows in (
+            ({"is_causal": True}, [3, 4]),  # rows 3 and 4 see token 3
+            ({"mask": padding}, [3]),  # every row hides key 3; row 3's own query is NaN
+        ):
+            out, ref = m(x, **kwargs)[0], m(clean, **kwargs)[0]
+            rows = out.isnan().any(-1)
+            assert rows[0].nonzero().flatten().tolist() == nan_rows
+            assert not rows[1].any()
+            torch.testing.assert_close(out[~rows], ref[~rows], rtol=0, atol=1e-12)

@@ -252,6 +252,7 @@ class _GatherAttention(torch.autograd.Function):
         for r0 in range(0, i, block):
             r1 = min(i, r0 + block)
             kg, vg = _gather(*tables, dv, indices[:, r0:r1], j, work, buffers)  # (b, rows, t, .)
+            _zero_invalid(kg, vg, valid[:, r0:r1])
             p = _scores(qs[:, r0:r1], kg, valid[:, r0:r1], scale)  # (b, rows, h, t)
             m = p.amax(-1, keepdim=True)  # (b, rows, h, 1)
             p.sub_(m).exp_()
@@ -259,6 +260,11 @@ class _GatherAttention(torch.autograd.Function):
             torch.matmul(p, vg, out=out[:, r0:r1])  # (b, rows, h, dv), unnormalised
             out[:, r0:r1].div_(total)
             lse[:, r0:r1] = m + total.log()
+        # A row with no valid index sees nothing: its output is already 0 (its values were
+        # zeroed); an lse of +inf makes its weights exp(s - lse) = 0 in the backward too.
+        empty = ~valid.any(-1)  # (b, i)
+        if bool(empty.any()):
+            lse.masked_fill_(empty[:, :, None, None], float("inf"))
         ctx.save_for_backward(qs, k, v, indices, valid, out, lse)
         ctx.scale, ctx.block, ctx.q_dtype = scale, block, q.dtype
         return out.transpose(1, 2).to(q.dtype)  # (b, h, i, dv)
@@ -284,6 +290,7 @@ class _GatherAttention(torch.autograd.Function):
             r1 = min(i, r0 + block)
             idx = indices[:, r0:r1]
             kg, vg = _gather(*tables, dv_width, idx, j, work, buffers)
+            _zero_invalid(kg, vg, valid[:, r0:r1])
             qt, do = qs[:, r0:r1], d_out[:, r0:r1].to(work)  # (b, rows, h, d), (b, rows, h, dv)
             delta = (do * out[:, r0:r1]).sum(-1, keepdim=True)  # (b, rows, h, 1): rowsum(dO O)
             scatter = _scatter_matrix((idx + base).flatten(), b * j, work)
@@ -362,6 +369,16 @@ def _gather(
     return kg, _take(v_table, flat, work, buffers, "v").view(*idx.shape, -1)  # (b, rows, t, dv)
 
 
+def _zero_invalid(kg: Tensor, vg: Tensor, valid: Tensor) -> None:
+    """The gathered keys and values of invalid indices ``valid (b, rows, t)`` set to zero, in
+    place (they are copies): their weight is 0, and a NaN or infinity there must not reach a
+    row as ``0 * nan``. No pass when every index of the block is valid."""
+    if not bool(valid.all()):
+        hidden = ~valid[..., None]
+        kg.masked_fill_(hidden, 0.0)
+        vg.masked_fill_(hidden, 0.0)  # a view of kg when the values are its first channels
+
+
 def _take(
     table: Tensor, rows: Tensor, work: torch.dtype, buffers: dict[str, Tensor], name: str
 ) -> Tensor:
@@ -416,8 +433,8 @@ def gather_attention(
         k: ``(b, j, d)`` and v: ``(b, j, dv)``, one key/value head shared by every query head
             (DSA's absorbed MLA: keys ``[c_kv; k_r]``, values ``c_kv``).
         indices: ``(b, i, t)`` integer key positions per query.
-        valid: ``(b, i, t)`` bool, False for an index to ignore; ``None``: all valid. Each row
-            needs at least one valid index.
+        valid: ``(b, i, t)`` bool, False for an index to ignore; ``None``: all valid. A row
+            with no valid index sees no key: its output is zeros (as a fully masked row's).
         scale: multiplies the scores; ``None`` means ``d ** -0.5``.
         block: query rows per step; memory is ``O(b * block * t * (d + dv))``.
 

@@ -216,23 +216,40 @@ def _chunk_factors(
     """Everything of ``_chunked`` that is independent across chunks, batched over all of them:
     ``(U, W, inner, q exp(G), k exp(G_c - G), exp(G_c))`` from ``(b, h_v, m, c, .)`` inputs."""
     c = q.shape[-2]
-    G = g.cumsum(-1)  # (b, h_v, m, c)
     lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()  # s <= r
+    # A decay of g = -inf (exp(g) = 0) empties the state: nothing before it reaches a later
+    # position. G_r - G_s would be -inf - -inf = nan there, so such positions count as g = 0 in
+    # the sums and every factor that spans one is zeroed instead (resets: how many so far).
+    resets = torch.isneginf(g)
+    if bool(resets.any()):
+        g = g.masked_fill(resets, 0.0)
+        resets = resets.cumsum(-1)  # (b, h_v, m, c)
+    else:
+        resets = None
+    G = g.cumsum(-1)  # (b, h_v, m, c)
     # exp(G_r - G_s) for s <= r; above the diagonal the difference is zeroed *before* exp so
     # it cannot overflow, then the entry itself is zeroed.
-    diff = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, 0.0)
-    decay = diff.exp().masked_fill(~lower, 0.0)  # (b, h_v, m, c, c)
+    hidden = ~lower
+    if resets is not None:  # a reset in (s, r]
+        hidden = hidden | (resets[..., :, None] != resets[..., None, :])
+    diff = (G[..., :, None] - G[..., None, :]).masked_fill(hidden, 0.0)
+    decay = diff.exp().masked_fill(hidden, 0.0)  # (b, h_v, m, c, c)
+    from_start = G.exp()  # exp(G_r): from the chunk's start to r
+    to_end = (G[..., -1:] - G).exp()  # exp(G_c - G_s): from s to the chunk's end
+    if resets is not None:
+        from_start = from_start.masked_fill(resets > 0, 0.0)
+        to_end = to_end.masked_fill(resets != resets[..., -1:], 0.0)
     # beta and exp(G) scale rows of k and v in the formulas; they are applied to the (c, c)
     # factors instead (beta_r on A's rows, beta_s and exp(G_s) on T's columns), which is the
     # same product with no elementwise pass over a (c, d) tensor.
     A = (k @ k.transpose(-1, -2)) * (decay * beta[..., :, None])  # (b, h_v, m, c, c)
     T = _UnitLowerInverse.apply(A.tril(-1))  # (b, h_v, m, c, c): (I + A)^-1; diagonal ignored
     U = (T * beta[..., None, :]) @ v  # T (beta v): (b, h_v, m, c, d_v)
-    W = (T * (beta * G.exp())[..., None, :]) @ k  # T (beta exp(G) k): (b, h_v, m, c, d_k)
+    W = (T * (beta * from_start)[..., None, :]) @ k  # T (beta exp(G) k): (b, h_v, m, c, d_k)
     inner = (q @ k.transpose(-1, -2)) * decay  # (b, h_v, m, c, c): attention inside a chunk
-    q_decayed = q * G.exp()[..., None]  # reads S_0 through the decay so far
-    k_decayed = k * (G[..., -1:] - G).exp()[..., None]  # writes decayed to the chunk's end
-    chunk_decay = G[..., -1].exp()[..., None, None]  # (b, h_v, m, 1, 1)
+    q_decayed = q * from_start[..., None]  # reads S_0 through the decay so far
+    k_decayed = k * to_end[..., None]  # writes decayed to the chunk's end
+    chunk_decay = from_start[..., -1:, None]  # (b, h_v, m, 1, 1)
     return U, W, inner, q_decayed, k_decayed, chunk_decay
 
 

@@ -329,24 +329,49 @@ def window_fn(left: int, right: int = 0, offset: int = 0) -> StructuredFn:
     return exactly(window, Structure(band=Band(left, right, offset)))
 
 
-def checked_mask(values: object) -> Tensor:
-    """A mask function's output, checked: a bool tensor (``True`` = may attend)."""
+def checked_mask(values: object, shape: Sequence[int] | None = None) -> Tensor:
+    """A mask function's output, checked: a bool tensor (``True`` = may attend), and, given the
+    ``shape`` of the grid it was evaluated on, one that broadcasts to it."""
     if not isinstance(values, Tensor) or values.dtype != torch.bool:
         got = values.dtype if isinstance(values, Tensor) else type(values).__name__
         raise TypeError(
             f"a mask function must return a bool tensor (True = may attend), got {got}; "
             "pass additive scores as a bias function (bias=) instead"
         )
-    return values
+    return _on_grid("mask", values, shape)
 
 
-def checked_bias(values: object) -> Tensor:
-    """A bias function's output, checked: a floating-point tensor added to the scores."""
+def checked_bias(values: object, shape: Sequence[int] | None = None) -> Tensor:
+    """A bias function's output, checked: a floating-point tensor added to the scores, and,
+    given the ``shape`` of the grid it was evaluated on, one that broadcasts to it."""
     if not isinstance(values, Tensor) or not values.is_floating_point():
         got = values.dtype if isinstance(values, Tensor) else type(values).__name__
         raise TypeError(
             f"a bias function must return a floating-point tensor, got {got}; "
             "pass a bool mask as a mask function (mask=) instead"
+        )
+    return _on_grid("bias", values, shape)
+
+
+def bias_requires_grad(bias_fn: BiasFn, device: torch.device) -> bool:
+    """Whether a bias function's output requires grad (it reads parameters), from one probe
+    element: a backend that does not differentiate through bias functions says so."""
+    probe = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    return checked_bias(bias_fn(probe, probe, probe, probe)).requires_grad
+
+
+def _on_grid(kind: str, values: Tensor, shape: Sequence[int] | None) -> Tensor:
+    if shape is None:
+        return values
+    grid = tuple(shape)
+    try:
+        fits = torch.broadcast_shapes(tuple(values.shape), grid) == grid
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"a {kind} function must return a tensor that broadcasts to the (b, h, i, j) grid "
+            f"of the indices it was given, {grid}; got shape {tuple(values.shape)}"
         )
     return values
 

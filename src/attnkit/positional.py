@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnkit._numerics import compute_dtype
+from attnkit._numerics import compute_dtype, poison
 from attnkit.attention import MultiHeadAttention
-from attnkit.functional import scaled_dot_product_attention
+from attnkit.functional import make_call, scaled_dot_product_attention
 from attnkit.masks import BiasFn, MaskFn, causal_offset, declare, materialize
 
 __all__ = [
@@ -43,6 +43,20 @@ def _check_offset(offset: int) -> None:
         raise ValueError(f"offset must be a non-negative int, got {offset!r}")
 
 
+def _check_base(base: object) -> None:
+    if (
+        isinstance(base, bool)
+        or not isinstance(base, (int, float))
+        or not (math.isfinite(base) and base > 0)
+    ):
+        raise ValueError(f"base must be a positive finite number, got {base!r}")
+
+
+def _check_dim(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 def sinusoidal_table(n: int, embed_dim: int, *, offset: int = 0, base: float = 10000.0) -> Tensor:
     """The table of Vaswani et al. 2017, section 3.5, in float64, shape ``(n, e)``.
 
@@ -50,6 +64,7 @@ def sinusoidal_table(n: int, embed_dim: int, *, offset: int = 0, base: float = 1
     ``p = offset .. offset + n - 1``. An odd ``embed_dim`` drops the last cosine column.
     """
     _check_offset(offset)
+    _check_base(base)
     p = torch.arange(offset, offset + n, dtype=torch.float64).unsqueeze(1)  # (n, 1)
     k2 = torch.arange(0, embed_dim, 2, dtype=torch.float64)  # (ceil(e/2),)
     angle = p / base ** (k2 / embed_dim)  # (n, ceil(e/2))
@@ -68,6 +83,8 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     def __init__(self, embed_dim: int, *, base: float = 10000.0) -> None:
         super().__init__()
+        _check_dim("embed_dim", embed_dim)
+        _check_base(base)
         self.embed_dim = embed_dim
         self.base = base
 
@@ -88,6 +105,8 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def __init__(self, max_len: int, embed_dim: int) -> None:
         super().__init__()
+        _check_dim("max_len", max_len)
+        _check_dim("embed_dim", embed_dim)
         self.max_len = max_len
         self.embed_dim = embed_dim
         self.weight = nn.Parameter(torch.empty(max_len, embed_dim))
@@ -128,6 +147,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
             raise ValueError(f"head_dim must be a positive even int for RoPE, got {head_dim!r}")
+        _check_base(base)
         self.head_dim = head_dim
         self.base = base
 
@@ -339,7 +359,20 @@ class RelativePositionAttention(MultiHeadAttention):
         weights = weights.to(compute)  # (b, h, i, j), rows sum to 1 (0 when fully masked)
         dropped = F.dropout(weights, self.dropout, self.training)
         grouped = dropped.unflatten(1, (h_kv, h // h_kv))  # (b, h_kv, g, i, j)
-        out = (grouped @ v.to(compute).unsqueeze(2)).flatten(1, 2)  # (b, h, i, d)
+        values = v.to(compute).unsqueeze(2)  # (b, h_kv, 1, j, d)
+        bad = ~torch.isfinite(values)
+        if bool(bad.any()):
+            # As the reference math: a non-finite value is read as 0 and makes NaN only the
+            # rows that see its key (0 * nan would reach the rows that cannot).
+            visible = make_call(q, k, v, mask, is_causal=is_causal).dense_mask()
+            hidden = torch.isneginf(key_term)
+            if bool(hidden.any()):
+                visible = ~hidden if visible is None else visible & ~hidden
+            if visible is not None:
+                visible = visible.expand(b, h, i, j).unflatten(1, (h_kv, h // h_kv))
+            out = poison(grouped @ values.masked_fill(bad, 0.0), visible, bad).flatten(1, 2)
+        else:
+            out = (grouped @ values).flatten(1, 2)  # (b, h, i, d)
         buckets = dropped.new_zeros(b, h, i, 2 * self.max_distance + 1)
         buckets.scatter_add_(-1, idx, dropped)  # (b, h, i, 2k+1): weight per clipped distance
         out = out + buckets @ self.rel_value.to(compute)  # (b, h, i, d)

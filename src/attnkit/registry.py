@@ -144,7 +144,8 @@ class AttentionCall:
         """The mask as one bool tensor: the given mask (evaluated if a function) and causality."""
         mask = self.mask
         if callable(mask):
-            mask = checked_mask(materialize(mask, self.score_shape, device=self.query.device))
+            grid = self.score_shape
+            mask = checked_mask(materialize(mask, grid, device=self.query.device), grid)
         if self.is_causal:
             causal = causal_mask(self.n_queries, self.n_keys, device=self.query.device)
             mask = causal if mask is None else mask & causal
@@ -156,7 +157,8 @@ class AttentionCall:
         if bias is None:
             return None
         if callable(bias):
-            bias = checked_bias(materialize(bias, self.score_shape, device=self.query.device))
+            grid = self.score_shape
+            bias = checked_bias(materialize(bias, grid, device=self.query.device), grid)
         return bias.to(dtype)
 
 

@@ -312,7 +312,8 @@ class Registers(nn.Module):
         if mask is None:
             return None
         if callable(mask):
-            mask = checked_mask(materialize(mask, (batch, heads, n, n), device))
+            grid = (batch, heads, n, n)
+            mask = checked_mask(materialize(mask, grid, device), grid)
         shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
         if mask.dtype != torch.bool or mask.ndim > 4 or not {shape[-2], shape[-1]} <= {1, n}:
             raise ValueError(

@@ -62,8 +62,14 @@ def _check(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, eps: float) -> int:
             f"shapes do not match: query {tuple(q.shape)}, key {tuple(k.shape)}, "
             f"value {tuple(v.shape)} (expected (b, h, i, d), (b, h_kv, j, d), (b, h_kv, j, dv))"
         )
-    if q.shape[1] % k.shape[1] != 0:
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}"
+        )
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"key heads ({k.shape[1]}) must divide query heads ({q.shape[1]})")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if is_causal and q.shape[2] > k.shape[2]:
         raise ValueError(
             f"is_causal with more queries ({q.shape[2]}) than keys ({k.shape[2]}) leaves rows "
@@ -88,6 +94,8 @@ def linear_attention(
     the denominator. Differentiable; computed in float32 (float64 stays float64).
     """
     g = _check(query, key, value, is_causal, eps)
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     compute = compute_dtype(query.dtype)
     b, h, ni, d = query.shape
     hk, nj, dv = key.shape[1], key.shape[2], value.shape[-1]

@@ -35,6 +35,7 @@ from torch import Tensor
 from attnkit._numerics import attention_op, blocked, compute_dtype
 from attnkit.backends.tiled import run_call
 from attnkit.backends.tiled import why_not as tiled_why_not
+from attnkit.functional import make_call
 from attnkit.masks import MaskFn, Structure, causal_offset, exactly, pad_to_rank, structure_of
 from attnkit.registry import AttentionCall, register_backend
 
@@ -139,11 +140,17 @@ def topk_attention(
     keeps, for each row, its ``top_k`` largest visible scores. Scores are computed ``chunk_size``
     query rows at a time, so memory is O(chunk_size * j); differentiable.
     """
+    make_call(query, key, value, mask, is_causal=is_causal, scale=scale)  # checked as sdpa's
+    if callable(mask):
+        raise TypeError("topk_attention takes a bool mask tensor, not a mask function")
     if query.ndim != 4:
         raise ValueError(f"topk_attention needs 4-D (b, h, i, d) inputs, got {tuple(query.shape)}")
-    if not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    for name, n in (("top_k", top_k), ("chunk_size", chunk_size)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
     b, h, ni, _ = query.shape
+    if ni == 0 or key.shape[2] == 0:  # no row, or rows that see no key: zeros, as every backend
+        return query.new_zeros(b, h, ni, value.shape[-1])
     nj, dv = key.shape[2], value.shape[-1]
     g = h // key.shape[1]
     k_eff = min(top_k, nj)
@@ -174,5 +181,7 @@ def topk_attention(
         w = torch.exp(vals - m) * visible  # blocked entries (fewer than k visible) weigh 0
         w = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(compute).tiny)
         picked = v_flat[(idx + base).flatten()].view(*idx.shape, dv)  # (b, h, c, k, dv)
+        # a blocked key's value weighs 0 and is left out: a NaN there must not reach the row
+        picked = picked.masked_fill(~visible.unsqueeze(-1), 0.0)
         outs.append((w.unsqueeze(-2) @ picked).squeeze(-2))  # (b, h, c, dv)
     return torch.cat(outs, dim=2).to(query.dtype)

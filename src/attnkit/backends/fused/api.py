@@ -18,7 +18,7 @@ from attnkit.backends.fused import jit
 from attnkit.backends.fused.plan import MATERIALIZE_BYTES, Plan, materialized_bytes, plan
 from attnkit.backends.tiled.skipping import negligible_bits
 from attnkit.backends.tiled.softmax import LOG2E
-from attnkit.masks import BiasFn, MaskFn, pad_to_rank
+from attnkit.masks import BiasFn, MaskFn, bias_requires_grad, pad_to_rank
 from attnkit.registry import AttentionCall, register_backend
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "fused_attention", "prepare", "run", "why_not"]
@@ -300,13 +300,12 @@ def why_not(call: AttentionCall) -> str | None:
         return "sinks: the fused kernel has no attention sinks; backend 'tiled' has"
     if q.shape[-1] == 0 or call.value.shape[-1] == 0:
         return "zero-width heads: the fused kernel needs d >= 1 and dv >= 1"
-    if callable(call.bias) and torch.is_grad_enabled():
-        probe = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device)
-        if call.bias(probe, probe, probe, probe).requires_grad:
-            return (
-                "the bias function's output requires grad: the fused kernel does not "
-                "differentiate through bias functions; pass the bias as a tensor"
-            )
+    grad = torch.is_grad_enabled()
+    if callable(call.bias) and grad and bias_requires_grad(call.bias, q.device):
+        return (
+            "the bias function's output requires grad: the fused kernel does not "
+            "differentiate through bias functions; pass the bias as a tensor"
+        )
     mask_fn = call.mask if callable(call.mask) else None
     bias_fn = call.bias if callable(call.bias) else None
     need = materialized_bytes(mask_fn, bias_fn, call.score_shape, q.dtype)

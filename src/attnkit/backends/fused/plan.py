@@ -171,14 +171,14 @@ def plan(
     lo, hi, layout, block = _band_and_layout(pieces)
     shape = (nb, h, ni, nj)
     if rest is not None:
-        evaluated = checked_mask(materialize(rest, shape, device=q.device))
+        evaluated = checked_mask(materialize(rest, shape, device=q.device), shape)
         mask = evaluated if mask is None else mask & evaluated
     relative = None
     if bias_fn is not None and structure_of(bias_fn).relative:
         table = Relative(bias_fn, (h, k.shape[1], ni, nj), 0, 0, dtype, q.device).table
         relative = table.contiguous()  # (h, i + j - 1): entry (i, j) at j - i + i - 1
     elif bias_fn is not None:
-        bias = checked_bias(materialize(bias_fn, shape, device=q.device))
+        bias = checked_bias(materialize(bias_fn, shape, device=q.device), shape)
     if mask is not None:
         mask = mask.expand(shape)
     parts = [] if mask_fn is None or rest is not None else [structure_of(mask_fn)]

@@ -14,8 +14,16 @@ from attnkit.backends.engine_inputs import engine_inputs
 from attnkit.backends.tiled.backward import backward
 from attnkit.backends.tiled.forward import forward
 from attnkit.backends.tiled.tiles import ScoreMod, Spec, tile_sizes
-from attnkit.functional import nested_why_not
-from attnkit.masks import BiasFn, MaskFn, all_of, causal_fn, causal_offset, pad_to_rank
+from attnkit.functional import make_call, nested_why_not
+from attnkit.masks import (
+    BiasFn,
+    MaskFn,
+    all_of,
+    bias_requires_grad,
+    causal_fn,
+    causal_offset,
+    pad_to_rank,
+)
 from attnkit.registry import AttentionCall, register_backend
 
 __all__ = ["backward_blocks", "forward_blocks", "run_call", "tiled_attention", "why_not"]
@@ -122,6 +130,20 @@ def tiled_attention(
     captures too. ``return_lse=True`` also returns the natural
     log-sum-exp of each row ``(b, h, i)`` (not differentiable).
     """
+    # checked as scaled_dot_product_attention checks its own (make_call), before any work
+    for name, fn in (("mask_fn", mask_fn), ("bias_fn", bias_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a function (b, h, i, j), got {type(fn).__name__}")
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {size!r}")
+    make_call(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, softcap=softcap,
+              sinks=sinks, score_mod=score_mod, return_lse=return_lse)  # fmt: skip
+    if q.ndim != 4:
+        raise ValueError(
+            "tiled_attention needs 4-D inputs: query (b, h, i, d), key and value (b, h_kv, j, d); "
+            f"got query {tuple(q.shape)}"
+        )
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if is_causal:
@@ -246,13 +268,12 @@ def why_not(call: AttentionCall) -> str | None:
             f"dropout_p={call.dropout_p}: the tiled backend cannot replay a dropout mask tile by "
             "tile in its backward; use backend='math' or 'torch' for dropout"
         )
-    if callable(call.bias) and torch.is_grad_enabled():
-        probe = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=call.query.device)
-        if call.bias(probe, probe, probe, probe).requires_grad:
-            return (
-                "the bias function's output requires grad: the tiled backend does not "
-                "differentiate through bias functions; pass the bias as a tensor"
-            )
+    grad = torch.is_grad_enabled()
+    if callable(call.bias) and grad and bias_requires_grad(call.bias, call.query.device):
+        return (
+            "the bias function's output requires grad: the tiled backend does not "
+            "differentiate through bias functions; pass the bias as a tensor"
+        )
     return None
 
 

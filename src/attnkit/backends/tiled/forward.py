@@ -123,11 +123,12 @@ def forward(
     bool, None when nowhere): the output itself reads those values as 0. ``sinks`` ``(h,)``
     join every row's denominator (``softmax.finish``); the log-sum-exp includes them."""
     dv = v.shape[-1]
-    if q.numel() == 0 or k.shape[2] == 0:  # nothing to attend: zeros, as the reference gives
+    rows_in = q.shape[:-1].numel()  # query rows (a width d = 0 still has rows: scores of 0)
+    if rows_in == 0 or k.shape[2] == 0:  # nothing to attend: zeros, as the reference gives
         dtype = compute_dtype(q.dtype)
         out = q.new_zeros(*q.shape[:-1], dv, dtype=dtype)
         lse = q.new_full(q.shape[:-1], blocked(dtype), dtype=dtype)
-        if sinks is not None and q.numel():  # only the sink in each denominator
+        if sinks is not None and rows_in:  # only the sink in each denominator
             lse = sinks.to(dtype).view(-1, 1).expand_as(lse).clone()  # (h, 1) -> (b, h, i)
         return out, lse, None
     tiles = Tiles(spec, q, k)

@@ -72,7 +72,7 @@ def flat(t: Tensor) -> Tensor:
 
 def unflat(t: Tensor, nb: int) -> Tensor:
     """(b * h, ...) -> (b, h, ...), the inverse of ``flat`` (a view)."""
-    return t.view(nb, -1, *t.shape[1:])
+    return t.view(nb, t.shape[0] // nb, *t.shape[1:])  # not -1: t may hold no element
 
 
 def bmm(a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:

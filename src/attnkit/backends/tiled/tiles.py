@@ -21,7 +21,14 @@ from attnkit._structure import tile_plan
 from attnkit.backends.tiled.layout import bmm, flip_queries, keys, tile_rows, unflat
 from attnkit.backends.tiled.relative import Relative
 from attnkit.backends.tiled.softmax import LOG2E
-from attnkit.masks import BiasFn, MaskFn, checked_bias, checked_mask, structure_of
+from attnkit.masks import (
+    BiasFn,
+    MaskFn,
+    checked_bias,
+    checked_mask,
+    pad_to_rank,
+    structure_of,
+)
 from attnkit.registry import ScoreModification
 
 __all__ = ["BLOCK_K", "BLOCK_K_BIAS", "BLOCK_Q", "BLOCK_Q_BIAS", "KeyTiles", "Spec", "Tiles"]
@@ -261,6 +268,10 @@ class Tiles:
         j = torch.arange(sel.start, sel.stop, device=device) if isinstance(sel, slice) else sel
         return i.view(1, 1, -1, 1), (j + ko).view(1, 1, 1, -1)
 
+    def _grid(self, i: Tensor, j: Tensor) -> tuple[int, ...]:
+        """The (b, h, i, j) shape a mask or bias function's tile broadcasts to."""
+        return tuple(torch.broadcast_shapes(self.b_idx.shape, self.h_idx.shape, i.shape, j.shape))
+
     def allowed(self, qs: Sel, sel: Sel, state: bool | None) -> Tensor | None:
         """Bool tile (broadcastable, row layout) of allowed positions; None = all allowed."""
         spec = self.spec
@@ -269,7 +280,8 @@ class Tiles:
             parts.append(self._slice(spec.mask, qs, sel))
         if spec.mask_fn is not None and state is None:
             i, j = self._positions(qs, sel)
-            parts.append(checked_mask(spec.mask_fn(self.b_idx, self.h_idx, i, j)))
+            values = spec.mask_fn(self.b_idx, self.h_idx, i, j)
+            parts.append(pad_to_rank(checked_mask(values, self._grid(i, j)), 4))
         if not parts:
             return None
         allowed = parts[0]
@@ -291,7 +303,8 @@ class Tiles:
             parts.append(self._slice(spec.bias, qs, sel))
         if spec.bias_fn is not None:
             i, j = self._positions(qs, sel)
-            parts.append(checked_bias(spec.bias_fn(self.b_idx, self.h_idx, i, j)))
+            values = spec.bias_fn(self.b_idx, self.h_idx, i, j)
+            parts.append(pad_to_rank(checked_bias(values, self._grid(i, j)), 4))
         if not parts:
             return None
         bias = parts[0] if len(parts) == 1 else parts[0] + parts[1]
