@@ -19,6 +19,7 @@ from attnkit.backends.fused.paged import paged_attention, why_not
 from attnkit.serve import forward as serve_forward
 from attnkit.serve import paged as serve_paged
 from attnkit.serve.engine import Engine
+from llama_oracles import bundled_gguf as bundled_gguf
 from serve_oracles import tiny_model
 
 F64 = torch.float64
@@ -215,3 +216,72 @@ def test_the_engine_gives_the_same_greedy_tokens_through_the_kernel(kernel, monk
     calls.clear()
     assert run() == through_kernel
     assert not calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_result_is_the_same_bits_however_its_queries_are_split(kernel, dtype, threads):
+    """A sequence's 600 new tokens attended in one call, in pieces of any size (each piece a
+    call whose earlier tokens are cached), one token at a time, or beside other sequences: every
+    row the same bits (keys split at fixed positions; one way of summing scores for any rows)."""
+    n, h, h_kv, d, s = 600, 9, 3, 64, 16
+    g = torch.Generator().manual_seed(11)
+    blocks = -(-n // s) + 8
+    key_pool = torch.randn(blocks, s, h_kv, d, generator=g).to(dtype)
+    value_pool = torch.randn(blocks, s, h_kv, d, generator=g).to(dtype)
+    table = torch.randperm(blocks, generator=g)[: -(-n // s)]
+    other = torch.randperm(blocks, generator=g)[:8]  # another sequence's table (70 keys)
+    q = torch.randn(n, h, d, generator=g)
+    q_other = torch.randn(1, h, d, generator=g)
+
+    def attend(parts, company=False):
+        out, at = [], 0
+        for size in parts:
+            rows = q[at : at + size]
+            tables, lengths, counts = [table], [at + size], [size]
+            if company:  # a decoding sequence first in the batch
+                rows = torch.cat([q_other, rows])
+                tables, lengths, counts = [other, table], [70, at + size], [1, size]
+            m = max(len(t) for t in tables)
+            padded = torch.stack([torch.cat([t, t.new_zeros(m - len(t))]) for t in tables])
+            o = paged_attention(rows, key_pool, value_pool, padded, torch.tensor(lengths), counts)
+            out.append(o[1:] if company else o)
+            at += size
+        return torch.cat(out)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = attend([n])
+        for parts, company in (([1] * 40 + [560], False), ([255, 1, 344], False),
+                               ([37, 300, 263], True), ([200, 200, 200], True)):  # fmt: skip
+            assert torch.equal(attend(parts, company), whole), (parts, company)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "prompt", "filler", "new"),
+    [
+        (torch.float16, [2501, 2092, 1743, 1977, 1230, 4649, 4626, 3746, 4626, 817, 1962, 1398,
+                         3551, 2107, 701, 1398, 6740, 1743, 1796, 1743, 811, 4319, 2092, 7042,
+                         6740, 3252, 2988], 35, 2),
+        (torch.bfloat16, [19945, 3551, 4319, 2477, 1977, 1977, 4626, 1463, 1796, 3746, 2107,
+                          2342, 2299, 6740, 4626, 282], 33, 8),
+    ],
+)  # fmt: skip
+def test_a_16_bit_cache_gives_the_same_greedy_tokens_alone_and_batched(
+    kernel, bundled_gguf, dtype, prompt, filler, new
+):
+    """Near-ties of SmolLM2 where another request ahead of it changes how the prompt is split
+    into chunks (chunk_tokens=48): a last-bit difference in a key, rounded to 16 bits, used to
+    change the greedy token. The steps are now the same bits whatever the split."""
+    kw = dict(num_blocks=64, block_size=16, max_batch=16, chunk_tokens=48, kv_dtype=dtype)
+    engine = Engine(bundled_gguf.model, **kw)
+    alone = engine.submit(prompt, new, ignore_eos=True)
+    engine.run_until_idle()
+    engine = Engine(bundled_gguf.model, **kw)
+    engine.submit([1] * filler, 1, ignore_eos=True)
+    batched = engine.submit(prompt, new, ignore_eos=True)
+    engine.run_until_idle()
+    assert batched.result(0)[0] == alone.result(0)[0]

@@ -180,20 +180,45 @@ def paged_forward(
 
 
 def _compiled(model: LlamaModel, batch: PagedBatch, pool: BlockPool, all_logits: bool) -> Tensor:
-    """``paged_forward`` as one compiled call (``llama_step.paged_step``)."""
+    """``paged_forward`` as compiled calls (``llama_step.paged_step``): one, or one per piece
+    of at most ``step_rows`` packed tokens. The kernel's products take the same bits for any
+    number of rows up to there, and its attention for any split of a sequence's tokens, so a
+    step of more tokens computed piece by piece gives every token what it gets alone, in a
+    prefill chunk of any size or beside other sequences (a greedy request's tokens do not
+    depend on its company)."""
+    kernel = jit.loaded()
+    assert kernel is not None
+    most = kernel.step_rows()
     ends = torch.tensor(batch.query_lengths, dtype=torch.long).cumsum(0)  # (b,)
-    starts = torch.cat([ends.new_zeros(1), ends])  # (b + 1,): sequence n owns [starts[n], ...)
+    starts = ends - torch.tensor(batch.query_lengths, dtype=torch.long)  # (b,)
     t = batch.ids.shape[0]
-    rows = torch.arange(t) if all_logits else ends - 1  # (t,) or (b,)
-    return llama_step.paged_step(
-        model,
-        batch.ids,
-        batch.positions,
-        batch.slots,
-        batch.block_tables,
-        batch.lengths,
-        starts,
-        rows,
-        pool.keys,
-        pool.values,
-    )
+    out = []
+    for lo in range(0, t, most):
+        hi = min(t, lo + most)
+        seqs = ((starts < hi) & (ends > lo)).nonzero().flatten()  # those with tokens here
+        if seqs.numel() == 0:  # only sequences without new tokens: nothing to compute
+            continue
+        first = starts[seqs].clamp_min(lo)
+        last = ends[seqs].clamp_max(hi)  # each sequence's tokens here: [first, last)
+        piece_ends = (last - first).cumsum(0)
+        # every row, or the last of each sequence whose last token is in this piece
+        rows = torch.arange(hi - lo) if all_logits else piece_ends[ends[seqs] <= hi] - 1
+        wanted = rows.numel()
+        if wanted == 0:  # a piece inside one prompt: its keys only (the kernel wants a row)
+            rows = piece_ends[-1:] - 1
+        logits = llama_step.paged_step(
+            model,
+            batch.ids[lo:hi],
+            batch.positions[lo:hi],
+            batch.slots[lo:hi],
+            batch.block_tables[seqs],
+            batch.lengths[seqs] - (ends[seqs] - last),  # keys after this piece
+            torch.cat([piece_ends.new_zeros(1), piece_ends]),
+            rows,
+            pool.keys,
+            pool.values,
+        )
+        out.append(logits[:wanted])
+    if not out:
+        return torch.empty(0, model.config.vocab_size)
+    return out[0] if len(out) == 1 else torch.cat(out)

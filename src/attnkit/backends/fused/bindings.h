@@ -54,6 +54,9 @@ inline void bind_step(pybind11::module_& m) {
         pybind11::arg("sin"), pybind11::arg("key_mask"), pybind11::arg("sizes"),
         pybind11::arg("numbers"), pybind11::arg("logits"),
         "one decoding step of a quantised Llama decoder (writes the caches at length, logits)");
+  m.def("step_rows", &step_rows,
+        "rows up to which a step's products take the row kernels (the same bits for any "
+        "number of rows; more take the tile path, whose sums round otherwise)");
   m.def("llama_paged_step", &llama_paged_step, no_gil, pybind11::arg("ids"),
         pybind11::arg("positions"), pybind11::arg("slots"), pybind11::arg("block_tables"),
         pybind11::arg("lengths"), pybind11::arg("starts"), pybind11::arg("out_rows"),

@@ -406,7 +406,9 @@ Tensor embedding(const Tensor& ids, const Tensor& w, int64_t kind, int64_t k);
 Tensor interleave(const Tensor& w, int64_t kind);
 bool interleaves();
 
-// step.cpp's quantised Llama steps, over a dense and over a paged KV cache (see there).
+// step.cpp's quantised Llama steps, over a dense and over a paged KV cache (see there), and
+// the rows up to which a step's products take the row kernels.
+int64_t step_rows();
 void llama_step(const Tensor& ids, const std::vector<int64_t>& positions, const Tensor& embed,
                 int64_t embed_kind, const std::vector<Tensor>& weights,
                 const std::vector<int64_t>& kinds, const std::vector<int64_t>& parts,

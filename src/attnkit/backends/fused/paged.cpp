@@ -14,11 +14,12 @@
 // A row is a pair (query position k, query head r of the key head's group), so that a key or
 // value row read from the pool serves all g = h / hk query heads and every query of the block
 // (grouped-query attention; a prefill chunk reuses each key for QUERY_ROWS rows). Keys are
-// split into chunks so that one long sequence keeps every thread busy (decoding), and no key
+// split into chunks at fixed positions (CHUNK), so that one long sequence keeps every thread
+// busy (decoding) and a row's result is the same bits however the batch is made, and no key
 // past a block's last query is read (causal alignment bottom-right, as in the reference: query
 // k of i new tokens sees keys [0, length - i + k]). K/V rows are never gathered into a
-// contiguous tensor: a tile's rows are found through the table, transposed (widened to float32)
-// into an L1 buffer for the scores, and value rows are read in place. bfloat16 and float16
+// contiguous tensor: a tile's rows are found through the table and read in place (the
+// portable build transposes key tiles into an L1 buffer for the scores). bfloat16 and float16
 // pools are widened in registers; all arithmetic is float32.
 //
 // Shape vocabulary (paged.py): b sequences, t new tokens packed, h query heads, hk key/value
@@ -35,6 +36,12 @@ using namespace kv;
 
 constexpr int64_t QUERY_ROWS = 64;  // rows (query positions x group heads) per task, at most
 constexpr int64_t STREAM_AHEAD = 64;  // rows asked for ahead of the reading (32 to 128: alike)
+// Keys per task: an item's keys are split at fixed positions, every CHUNK keys from key 0,
+// whatever the batch. A row then meets the same tiles, chunks and merges (a chunk a row cannot
+// see adds exact zeros) whether its query decodes alone, beside other sequences or in a prefill
+// chunk split anywhere, and its result is the same bits: a greedy request gets the same tokens
+// alone or batched, even where rounding keys to 16 bits would magnify a last-bit difference.
+constexpr int64_t CHUNK = MIN_CHUNK;
 
 // One unit of work before it is split along the keys: query positions [q0, q1) of sequence
 // ``seq`` (their rows: every query head of key head ``hk``), which see keys [0, keys).
@@ -135,8 +142,9 @@ inline Vec lane_sums(const Vec* v) {
 // as stored: each key row is read once for the R rows, and a vector's worth of keys (L = 16
 // with AVX-512, 8 with AVX2) have their partial sums added up across lanes together. For a
 // decoding step's few rows this costs about half of transposing the tile first
-// (transposed_keys, which pays off when a prefill chunk brings many rows). Columns [n, n_p)
-// are zero. ``ask(keys)`` before each L keys: the rows read ahead (Stream).
+// (transposed_keys); prefill chunks take it too, so that a row's scores do not depend on how
+// many rows share its task. Columns [n, n_p) are zero. ``ask(keys)`` before each L keys: the
+// rows read ahead (Stream).
 template <int R, typename kv_t, typename Ask>
 void direct_scores(const float* q_rows, int64_t d, int64_t d_p, const kv_t* const* k_rows,
                    int64_t n, int64_t n_p, float* s, Ask&& ask) {
@@ -194,13 +202,15 @@ struct Stream {
   }
 };
 
-// Whether tasks of ``rows`` rows transpose their key tiles (chunk_state): with AVX-512 or AVX2,
-// only past HEADS rows (a prefill chunk); a decoding step reads the keys as stored.
+// Whether tasks transpose their key tiles (chunk_state): never with AVX-512 or AVX2, where the
+// scores are summed from the key rows as stored (direct_scores), always in the portable build.
+// One way for every task keeps a row's scores the same bits whether its query decodes alone or
+// comes in a prefill chunk of many rows (see CHUNK).
 inline bool transposes(int64_t rows) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  return rows > HEADS;
-#else
   (void)rows;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return false;
+#else
   return true;
 #endif
 }
@@ -251,7 +261,7 @@ void chunk_state(const Problem& pr, const kv_t* k_pool, const kv_t* v_pool, cons
     rows_of(pr, v_pool, table, it.hk, t0, n, v_rows);
     // s = q k^T, every row against the tile
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-    if (rows <= HEADS) {
+    if (!transposes(rows)) {
       by_rows(rows, [&](auto R, int64_t r0) {  // one group of rows moves the stream on
         direct_scores<R>(w.q_rows.data() + r0 * d_p, d, d_p, k_rows, n, n_p, s + r0 * TILE,
                          [&](int64_t keys) {
@@ -267,13 +277,15 @@ void chunk_state(const Problem& pr, const kv_t* k_pool, const kv_t* v_pool, cons
         scores<R>(w.q_rows.data() + r0 * d_p, d, d_p, w.k_t.data(), n_p, s + r0 * TILE);
       });
     }
-    // the logits (causal: keys [0, context + k] of the tile's columns) and the online softmax
+    // the logits (causal: keys [0, context + k] of the tile's columns) and the online softmax,
+    // over the n_p columns padded to whole vectors (blocked past n): a row's sums then take
+    // the same steps however many keys past its own the tile holds for the other rows.
     for (int64_t x = 0; x < rows; x++) {
       float* s_row = s + x * TILE;
-      const int64_t visible_end = context + it.q0 + x / g + 1 - t0;
-      const float top = logits_row<float>(s_row, n, pr.scale2, nullptr, nullptr, 0, nullptr, 0,
+      const int64_t visible_end = std::min(n, context + it.q0 + x / g + 1 - t0);
+      const float top = logits_row<float>(s_row, n_p, pr.scale2, nullptr, nullptr, 0, nullptr, 0,
                                           0, visible_end);
-      update<float>(s_row, n, top, m[x], l[x], acc + x * d_p, d_p);
+      update<float>(s_row, n_p, top, m[x], l[x], acc + x * d_p, d_p);
     }
     // acc += p v_t
     by_rows(rows, [&](auto R, int64_t r0) {
@@ -454,15 +466,13 @@ void paged(const Tensor& q, const Tensor& key_pool, const Tensor& value_pool,
     }
   }
   pr.rows_max = rows;  // the per-thread buffers and the chunks' slots hold this many rows
-  const int64_t threads = at::get_num_threads();
   std::vector<Task> tasks;
   for (int64_t x = 0; x < static_cast<int64_t>(items.size()); x++) {
     Item& it = items[x];
-    it.chunks = chunk_count(it.keys, static_cast<int64_t>(items.size()), threads);
+    it.chunks = std::max<int64_t>(1, (it.keys + CHUNK - 1) / CHUNK);
     it.first_task = static_cast<int64_t>(tasks.size());
-    const int64_t chunk = std::max<int64_t>(1, (it.keys + it.chunks - 1) / it.chunks);
     for (int64_t c = 0; c < it.chunks; c++) {
-      tasks.push_back({x, c * chunk, std::min(it.keys, (c + 1) * chunk)});
+      tasks.push_back({x, c * CHUNK, std::min(it.keys, (c + 1) * CHUNK)});
     }
   }
   begin_parallel();

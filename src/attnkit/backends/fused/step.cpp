@@ -488,6 +488,8 @@ void llama_step(const Tensor& ids, const std::vector<int64_t>& positions, const 
   forward(M, id, b, positions.data(), attend, nullptr, b, logits.data_ptr<float>());
 }
 
+int64_t step_rows() { return quant::STEP_ROWS; }
+
 void llama_paged_step(const Tensor& ids, const Tensor& positions, const Tensor& slots,
                       const Tensor& block_tables, const Tensor& lengths, const Tensor& starts,
                       const Tensor& out_rows, const Tensor& embed, int64_t embed_kind,
