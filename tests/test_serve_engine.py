@@ -218,12 +218,41 @@ def test_bad_requests_are_refused_before_they_queue() -> None:
     for seed in (2**64, -(2**63) - 1, 1.5, True):  # torch.Generator takes -2**63..2**64 - 1
         with pytest.raises(ValueError, match=r"seed must be an int in -2\*\*63\.\.2\*\*64 - 1"):
             engine.submit([1], 2, Sampling(1.0), seed=seed)
-    engine.submit([1], 2)
+    for args, kwargs, match in [
+        (([True, False], 2), {}, "token ids must be ints, got True"),
+        (([1.0], 2), {}, "token ids must be ints, got 1.0"),
+        ((None, 2), {}, "prompt must be a sequence of token ids, got NoneType"),
+        (("hello", 2), {}, "prompt must be a sequence of token ids, got str"),
+        (([1], 2, 0.7), {}, "sampling must be a Sampling or None, got 0.7"),
+        (([1], 2), {"scoring": {"logit_bias": {}}}, "scoring must be a Scoring or None"),
+        (([1], 2), {"on_event": 5}, "on_event must be a function"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            engine.submit(*args, **kwargs)
+    numpy = pytest.importorskip("numpy")
+    engine.submit(numpy.array([1, 2]), 2)  # numpy's ints are ints
+    assert engine.waiting[-1].tokens == [1, 2] and type(engine.waiting[-1].tokens[0]) is int
     with pytest.raises(QueueFull):
         engine.submit([1], 2)
     engine.stop()
     with pytest.raises(EngineStopped):
         engine.submit([1], 2)
+    whole(engine)
+
+
+def test_a_callback_that_fails_ends_only_its_own_request() -> None:
+    engine = Engine(tiny_model(), num_blocks=16, block_size=4)
+
+    def failing(token, reason):
+        if token is not None:
+            raise RuntimeError("the client's own bug")
+
+    good = [engine.submit([1, 2, 3 + n], 4) for n in range(3)]
+    bad = engine.submit([5, 6], 4, on_event=failing)
+    engine.run_until_idle()
+    assert [g.result(0)[1] for g in good] == ["length"] * 3
+    assert all(len(g.generated) == 4 for g in good)
+    assert bad.finish_reason == "error" and engine.counters["errors"] == 1
     whole(engine)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from attnkit.models.llama_generate import Sampling
-from attnkit.serve.engine import Generation, Scoring
+from attnkit.serve.requests import Generation, Scoring
 
 __all__ = [
     "MAX_BODY_BYTES",
