@@ -434,3 +434,16 @@ def test_kv_dtype_rounds_on_append_and_refuses_other_dtypes() -> None:
             ValueError, match=r"kv_dtype must be torch\.float32, torch\.bfloat16 or"
         ):
             KVCache(kv_dtype=bad)
+
+
+def test_inputs_the_module_cannot_take_are_named() -> None:
+    mha = MultiHeadAttention(16, 2)
+    x = torch.randn(1, 3, 16)
+    with pytest.raises(TypeError, match=r"query is torch\.float64 but the module's weights"):
+        mha(x.double())
+    with pytest.raises(TypeError, match=r"rope must have rotate\(x, offset\)"):
+        mha(x, rope=3)
+    with pytest.raises(TypeError, match=r"KVCache\.append takes tensors; key is list"):
+        KVCache().append([1], [2])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts the inputs: allowed
+        assert mha(x.bfloat16())[0].dtype == torch.bfloat16

@@ -466,3 +466,9 @@ print(chosen[-1].name)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] not in ("math", ""), out.stdout
+
+
+def test_a_score_mod_that_is_not_a_function_is_named() -> None:
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(TypeError, match="score_mod must be a function"):
+        flex_attention(q, q, q, score_mod=3)

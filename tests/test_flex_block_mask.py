@@ -199,3 +199,22 @@ def test_named_errors() -> None:
         create_block_mask(and_masks(causal, scores), None, None, 64, 64, BLOCK_SIZE=32)
     with pytest.raises(ValueError, match="BLOCK_SIZE must be positive"):
         create_block_mask(causal, None, None, 64, 64, BLOCK_SIZE=0)
+
+
+def test_sizes_that_cannot_be_are_named() -> None:
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    cases = [
+        ((None, None, -5, 8), {}, "Q_LEN must be an int >= 0, got -5"),
+        ((0, None, 8, 8), {}, "B must be None or a positive int, got 0"),
+        ((None, -1, 8, 8), {}, "H must be None or a positive int, got -1"),
+        ((None, None, 8.0, 8), {}, "Q_LEN must be an int >= 0, got 8.0"),
+        ((None, None, 8, None), {}, "KV_LEN must be an int >= 0, got None"),
+        ((None, None, 8, 8), {"BLOCK_SIZE": (2, 2, 2)}, "BLOCK_SIZE must be an int or two ints"),
+        ((None, None, 8, 8), {"BLOCK_SIZE": 0}, "BLOCK_SIZE must be positive"),
+    ]
+    for args, kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            create_block_mask(causal, *args, **kwargs)
+    assert create_block_mask(causal, None, None, 0, 8).shape == (1, 1, 0, 8)

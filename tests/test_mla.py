@@ -177,3 +177,17 @@ def test_a_small_deepseek_v3_model_equals_transformers_and_generates_the_same():
     DeepseekV3ForCausalLM with the same weights, and greedy decoding through LatentCaches
     against its generate()."""
     assert_same_model(*deepseek_pair())
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+def test_a_bad_mask_is_named_in_both_forms(absorb):
+    m = MultiHeadLatentAttention(16, 2, kv_rank=8, nope_dim=4, rope_dim=4, v_dim=4).eval()
+    x = torch.randn(1, 3, 16)
+    cases = [
+        (torch.ones(3, 2, dtype=torch.bool), ValueError, "does not broadcast to the scores"),
+        (torch.ones(3, 3), TypeError, "mask must be a bool tensor"),
+        ([[True]], TypeError, "mask must be a bool tensor or a mask function, got list"),
+    ]
+    for mask, error, message in cases:
+        with pytest.raises(error, match=message):
+            m(x, mask=mask, absorb=absorb)

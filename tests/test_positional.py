@@ -18,6 +18,7 @@ from attnkit import (
     alibi_fn,
     alibi_slopes,
     masks,
+    scaled_dot_product_attention,
 )
 from attnkit.positional import sinusoidal_table
 
@@ -225,3 +226,10 @@ def test_shaw_relative_attention_keeps_a_nan_to_the_rows_that_see_it(num_kv_head
             assert rows[0].nonzero().flatten().tolist() == nan_rows
             assert not rows[1].any()
             torch.testing.assert_close(out[~rows], ref[~rows], rtol=0, atol=1e-12)
+
+
+def test_alibi_fn_for_fewer_heads_than_the_query_has_is_named() -> None:
+    q = torch.randn(1, 8, 2, 4)
+    for backend in ("math", "tiled", "auto"):
+        with pytest.raises(ValueError, match="alibi_fn was made for num_heads=4"):
+            scaled_dot_product_attention(q, q, q, bias=alibi_fn(4), backend=backend)

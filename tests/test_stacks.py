@@ -337,3 +337,11 @@ def test_value_residual_with_checkpointing_and_a_cache() -> None:
     steps = [decoder(ids[:, :2], caches=caches)[0]]
     steps += [decoder(ids[:, t : t + 1], caches=caches)[0] for t in range(2, 6)]
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-10, rtol=0)
+
+
+def test_token_ids_outside_the_vocabulary_are_named() -> None:
+    config = TransformerConfig(embed_dim=16, num_heads=2, num_layers=1, vocab_size=10)
+    decoder = TransformerDecoder(config)
+    for ids in (torch.tensor([[10]]), torch.tensor([[3, -1]])):
+        with pytest.raises(ValueError, match=r"token ids must lie in 0\.\.9 \(vocab_size\)"):
+            decoder(ids)

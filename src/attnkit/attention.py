@@ -61,6 +61,11 @@ class QKTransform(Protocol):
     def rotate(self, x: Tensor, offset: int = 0) -> Tensor: ...
 
 
+def _autocasting(t: Tensor) -> bool:
+    """Whether autocast is on for ``t``'s device (its linear layers then cast the inputs)."""
+    return torch.is_autocast_enabled(t.device.type)
+
+
 class KVCache:
     """Keys and values already computed by *one* attention layer, for incremental decoding.
 
@@ -122,6 +127,9 @@ class KVCache:
 
     def append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """Append ``(b, h_kv, n, d)`` keys/values; return all cached keys/values so far."""
+        for name, t in (("key", key), ("value", value)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"KVCache.append takes tensors; {name} is {type(t).__name__}")
         if key.ndim != 4 or value.ndim != 4 or key.shape[:3] != value.shape[:3]:
             raise ValueError(
                 f"KVCache.append takes key and value of shape (b, h_kv, n, d) with matching "
@@ -321,6 +329,13 @@ class MultiHeadAttention(nn.Module):
                     f"{name} must have shape (b, n, {wname}={width}) (batch first), "
                     f"got {tuple(t.shape)}"
                 )
+        weight = next((p for p in self.parameters() if p.is_floating_point()), None)
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if weight is not None and t.dtype != weight.dtype and not _autocasting(t):
+                raise TypeError(
+                    f"{name} is {t.dtype} but the module's weights are {weight.dtype}: cast one "
+                    f"of them (module.to({t.dtype}) or {name}.to({weight.dtype}))"
+                )
         if not (query.shape[0] == key.shape[0] == value.shape[0]):
             raise ValueError(
                 f"batch size mismatch: query {tuple(query.shape)}, key {tuple(key.shape)}, "
@@ -390,6 +405,10 @@ class MultiHeadAttention(nn.Module):
         memory_cache = cache if cache is not None and not self_attention else None
         if memory_cache is not None and rope is not None:
             raise ValueError("rope cannot be combined with a cross-attention cache")
+        if rope is not None and not callable(getattr(rope, "rotate", None)):
+            raise TypeError(
+                f"rope must have rotate(x, offset) (attnkit.RotaryEmbedding), got {rope!r}"
+            )
         b, i, _ = query.shape
         j = key.shape[1]
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim

@@ -232,18 +232,7 @@ def make_call(
     score_shape = (*query.shape[:-1], key.shape[-2])
 
     if mask is not None and not callable(mask):
-        if not isinstance(mask, Tensor):
-            raise TypeError(
-                f"mask must be a bool tensor or a mask function, got {type(mask).__name__}"
-            )
-        if mask.dtype != torch.bool:
-            raise TypeError(
-                f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}; "
-                "for an additive float mask pass it as bias=, for torch's True = ignore "
-                "convention use attnkit.masks.from_torch"
-            )
-        _check_broadcast("mask", mask, score_shape)
-        _check_device("mask", mask, query)
+        check_mask(mask, score_shape, query)
     if bias is not None and not callable(bias):
         if not isinstance(bias, Tensor):
             raise TypeError(
@@ -315,6 +304,21 @@ def make_call(
         return_lse,
         block_sizes,
     )
+
+
+def check_mask(mask: object, score_shape: tuple[int, ...], query: Tensor) -> None:
+    """A mask tensor as attention takes it: bool (``True`` = may attend), broadcastable to
+    ``score_shape`` (``(..., h, i, j)``) and on ``query``'s device; a clear error otherwise."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a bool tensor or a mask function, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}; "
+            "for an additive float mask pass it as bias=, for torch's True = ignore "
+            "convention use attnkit.masks.from_torch"
+        )
+    _check_broadcast("mask", mask, score_shape)
+    _check_device("mask", mask, query)
 
 
 def _check_broadcast(name: str, t: Tensor, score_shape: tuple[int, ...]) -> None:

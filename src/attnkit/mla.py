@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 import attnkit.backends  # noqa: F401  (registers the backends a module's `backend=` names)
-from attnkit.functional import scaled_dot_product_attention
+from attnkit.functional import check_mask, scaled_dot_product_attention
 from attnkit.masks import MaskFn, causal_mask, pad_to_rank
 from attnkit.norms import RMSNorm
 from attnkit.positional import RotaryEmbedding
@@ -354,6 +354,8 @@ class MultiHeadLatentAttention(nn.Module):
         explicit, ``(h i, j)``, built only when a row can see less than every key."""
         b, h, i, _ = q_n.shape
         j = kv.shape[1]
+        if mask is not None:  # checked as the expanded form's attention checks it
+            check_mask(mask, (b, h, i, j), q_n)
         q = self.absorb_query(q_n, q_r).reshape(b, 1, h * i, -1)  # (b, 1, h i, d_c + d_r)
         keep = None
         if is_causal and i > 1:  # one new query sees every key (it was just appended)

@@ -236,6 +236,11 @@ def alibi_fn(num_heads: int, offset: int = 0) -> BiasFn:
         s = cache.get(h.device)
         if s is None:
             s = cache[h.device] = slopes.to(torch.float32).to(h.device)
+        if h.numel() and int(h.max()) >= num_heads:
+            raise ValueError(
+                f"alibi_fn was made for num_heads={num_heads} (one slope each), but attention "
+                f"asks for head {int(h.max())}: make it with the query's number of heads"
+            )
         distance = (i + offset - j).abs().to(torch.float32)
         return -s[h] * distance
 

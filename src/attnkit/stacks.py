@@ -176,6 +176,11 @@ class _Stack(nn.Module):
                     f"inputs must be token ids (b, i) of an integer dtype (vocab_size="
                     f"{c.vocab_size}), got dtype {x.dtype} and shape {tuple(x.shape)}"
                 )
+            if x.numel() and not (int(x.min()) >= 0 and int(x.max()) < c.vocab_size):
+                raise ValueError(
+                    f"token ids must lie in 0..{c.vocab_size - 1} (vocab_size), got "
+                    f"{int(x.min())}..{int(x.max())}"
+                )
             x = self.embed(x) * math.sqrt(c.embed_dim)  # (b, i, e)
         elif x.ndim != 3 or x.shape[-1] != c.embed_dim or not x.is_floating_point():
             raise ValueError(

@@ -76,6 +76,10 @@ def flex_attention(
             "flex_attention has no dropout (nor has torch's): the tiled backward would have to "
             "replay the dropout mask of every tile; use attnkit.scaled_dot_product_attention"
         )
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(
+            f"score_mod must be a function (score, b, h, q_idx, kv_idx) -> score, got {score_mod!r}"
+        )
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__

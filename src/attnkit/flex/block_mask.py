@@ -396,10 +396,30 @@ class _BlockMaskFn:
 
 
 def _block_sizes(BLOCK_SIZE: int | tuple[int, int]) -> tuple[int, int]:
-    q_bs, kv_bs = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
-    if int(q_bs) < 1 or int(kv_bs) < 1:
+    sizes = (BLOCK_SIZE, BLOCK_SIZE) if _is_int(BLOCK_SIZE) else BLOCK_SIZE
+    if not (isinstance(sizes, (tuple, list)) and len(sizes) == 2 and all(map(_is_int, sizes))):
+        raise ValueError(f"BLOCK_SIZE must be an int or two ints (q, kv), got {BLOCK_SIZE!r}")
+    q_bs, kv_bs = (int(x) for x in sizes)
+    if q_bs < 1 or kv_bs < 1:
         raise ValueError(f"BLOCK_SIZE must be positive, got {BLOCK_SIZE!r}")
-    return int(q_bs), int(kv_bs)
+    return q_bs, kv_bs
+
+
+def _is_int(x: object) -> bool:
+    return hasattr(type(x), "__index__") and not isinstance(x, (bool, Tensor))
+
+
+def _check_sizes(B: object, H: object, Q_LEN: object, KV_LEN: object) -> None:
+    """``create_block_mask``'s sizes: B and H None or positive, the lengths non-negative."""
+    for name, value, least, optional in (
+        ("B", B, 1, True), ("H", H, 1, True), ("Q_LEN", Q_LEN, 0, False),
+        ("KV_LEN", KV_LEN, 0, False),
+    ):  # fmt: skip
+        if value is None and optional:
+            continue
+        if not _is_int(value) or int(value) < least:
+            what = "None or a positive int" if optional else "an int >= 0"
+            raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
 def _at_least_4d(num: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
@@ -462,9 +482,11 @@ def create_block_mask(
             f"create_block_mask takes a mask_mod(b, h, q_idx, kv_idx); {_name(mask_mod)!r} takes "
             "five arguments, like a score_mod(score, b, h, q_idx, kv_idx)"
         )
+    _check_sizes(B, H, Q_LEN, KV_LEN)
     q_bs, kv_bs = _block_sizes(BLOCK_SIZE)
     tile_mod = per_element(mask_mod, score=False)
-    nb, nh = 1 if B is None else B, 1 if H is None else H
+    nb, nh = 1 if B is None else int(B), 1 if H is None else int(H)
+    Q_LEN, KV_LEN = int(Q_LEN), int(KV_LEN)
     n_rows, n_cols = -(-Q_LEN // q_bs), -(-KV_LEN // kv_bs)
     states = torch.zeros((nb, nh, n_rows, n_cols), dtype=torch.int8, device=device)
     b = torch.arange(nb, device=device).view(-1, 1, 1, 1)
