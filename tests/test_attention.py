@@ -447,3 +447,9 @@ def test_inputs_the_module_cannot_take_are_named() -> None:
         KVCache().append([1], [2])
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts the inputs: allowed
         assert mha(x.bfloat16())[0].dtype == torch.bfloat16
+
+
+def test_kv_cache_sizes_are_ints() -> None:
+    for max_len in (True, 0, 2.5):
+        with pytest.raises(ValueError, match="max_len must be a positive int or None"):
+            KVCache(max_len)

@@ -215,3 +215,13 @@ def test_a_small_qwen3_next_model_equals_transformers_and_generates_the_same():
     Qwen3NextForCausalLM with the same weights, and greedy decoding through GatedDeltaCaches
     and KVCaches against its generate()."""
     assert_same_model(*qwen3_next_pair())
+
+
+def test_empty_heads_and_a_state_that_is_not_a_tensor_are_named():
+    q, k, v, g, beta, _ = _inputs(n=3)
+    with pytest.raises(ValueError, match="at least one position, head and key channel"):
+        gated_delta_rule(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0])
+    with pytest.raises(ValueError, match="at least one position, head and key channel"):
+        gated_delta_rule(q[..., :0], k[..., :0], v, g, beta)
+    with pytest.raises(TypeError, match="initial_state must be a tensor or None, got list"):
+        gated_delta_rule(q, k, v, g, beta, initial_state=[[0.0]])

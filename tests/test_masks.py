@@ -175,3 +175,9 @@ def test_a_function_that_returns_the_wrong_thing_is_named(backend) -> None:
         out = scaled_dot_product_attention(q, k, v, fn, backend=backend)
         ref = scaled_dot_product_attention(q, k, v, fn, backend="math")
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_mask_max_len_is_an_int() -> None:
+    with pytest.raises(ValueError, match=r"max_len must be an int or None, got 5\.5"):
+        masks.padding_mask([2, 3], max_len=5.5)
+    assert masks.padding_mask([2, 3], max_len=torch.tensor(4)).shape == (2, 1, 1, 4)

@@ -233,3 +233,9 @@ def test_alibi_fn_for_fewer_heads_than_the_query_has_is_named() -> None:
     for backend in ("math", "tiled", "auto"):
         with pytest.raises(ValueError, match="alibi_fn was made for num_heads=4"):
             scaled_dot_product_attention(q, q, q, bias=alibi_fn(4), backend=backend)
+
+
+def test_alibi_slopes_want_a_positive_int() -> None:
+    for heads in (True, 0, 2.0):
+        with pytest.raises(ValueError, match="num_heads must be a positive int"):
+            alibi_slopes(heads)

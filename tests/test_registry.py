@@ -425,3 +425,11 @@ def test_call_dense_bias_from_a_function_and_a_tensor() -> None:
     tensor = torch.randn(4, 3, 4, dtype=F64)
     assert torch.equal(make_call(q, k, v, bias=tensor).dense_bias(F64), tensor)
     assert make_call(q, k, v, bias=tensor).dense_bias(torch.float16).dtype == torch.float16
+
+
+def test_register_backend_wants_functions() -> None:
+    with pytest.raises(TypeError, match="register_backend's run must be a function, got 3"):
+        registry.register_backend("not-a-function", 3)
+    with pytest.raises(TypeError, match="register_backend's why_not must be a function"):
+        registry.register_backend("not-a-function", attention_math, why_not="no")
+    assert "not-a-function" not in registry.available_backends()

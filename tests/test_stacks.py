@@ -345,3 +345,12 @@ def test_token_ids_outside_the_vocabulary_are_named() -> None:
     for ids in (torch.tensor([[10]]), torch.tensor([[3, -1]])):
         with pytest.raises(ValueError, match=r"token ids must lie in 0\.\.9 \(vocab_size\)"):
             decoder(ids)
+
+
+def test_config_refuses_a_bad_eps_and_variants() -> None:
+    base = {"embed_dim": 16, "num_heads": 2, "num_layers": 1}
+    for eps in (-1.0, 0.0, float("nan"), True):
+        with pytest.raises(ValueError, match="eps must be a positive finite number"):
+            TransformerConfig(**base, eps=eps)
+    with pytest.raises(TypeError, match="variants must be an AttentionVariants or None"):
+        TransformerConfig(**base, variants="x")

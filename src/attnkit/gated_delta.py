@@ -73,8 +73,11 @@ def _check_rule_inputs(
         raise ValueError(
             f"v {tuple(v.shape)} must share (b, n) = ({b}, {n}) with k {tuple(k.shape)}"
         )
-    if n == 0:
-        raise ValueError(f"the rule needs at least one position, got k of shape {tuple(k.shape)}")
+    if n == 0 or h == 0 or d_k == 0:
+        raise ValueError(
+            f"the rule needs at least one position, head and key channel, got k of shape "
+            f"{tuple(k.shape)}"
+        )
     h_v, d_v = v.shape[1], v.shape[3]
     if h_v % h:
         raise ValueError(f"value heads h_v={h_v} must be a multiple of the key heads h={h}")
@@ -83,6 +86,10 @@ def _check_rule_inputs(
             raise ValueError(
                 f"{name} must have shape (b, h_v, n) = {(b, h_v, n)}, got {tuple(t.shape)}"
             )
+    if initial_state is not None and not isinstance(initial_state, Tensor):
+        raise TypeError(
+            f"initial_state must be a tensor or None, got {type(initial_state).__name__}"
+        )
     if initial_state is not None and initial_state.shape != (b, h_v, d_k, d_v):
         raise ValueError(
             f"initial_state must have shape (b, h_v, d_k, d_v) = {(b, h_v, d_k, d_v)}, got "

@@ -44,7 +44,9 @@ class KVCache:
     """
 
     def __init__(self, max_len: int | None = None, *, kv_dtype: torch.dtype | None = None) -> None:
-        if max_len is not None and (not isinstance(max_len, int) or max_len <= 0):
+        if max_len is not None and (
+            not isinstance(max_len, int) or isinstance(max_len, bool) or max_len <= 0
+        ):
             raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
         if kv_dtype is not None and kv_dtype not in decode.KV_DTYPES:
             raise ValueError(

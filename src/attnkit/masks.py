@@ -32,6 +32,7 @@ produce zeros, not NaN.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -183,7 +184,9 @@ def padding_mask(lengths: Tensor | Sequence[int], max_len: int | None = None) ->
     if lengths.numel() and int(lengths.min()) < 0:
         raise ValueError(f"lengths must be non-negative, got {lengths.tolist()}")
     longest = int(lengths.max()) if lengths.numel() else 0
-    max_len = longest if max_len is None else max_len
+    if max_len is not None and (isinstance(max_len, bool) or not hasattr(max_len, "__index__")):
+        raise ValueError(f"max_len must be an int or None, got {max_len!r}")
+    max_len = longest if max_len is None else operator.index(max_len)
     if max_len < longest:
         raise ValueError(f"max_len={max_len} is shorter than the longest length {longest}")
     j = torch.arange(max_len, device=lengths.device)

@@ -205,7 +205,7 @@ def alibi_slopes(num_heads: int) -> Tensor:
     with that same ratio: ``2^(-8/h), 2^(-16/h), ..., 2^(-8)``. Otherwise, as in the paper's code,
     take the slopes of the closest smaller power of two ``m`` and add every other slope of ``2m``.
     """
-    if not isinstance(num_heads, int) or num_heads <= 0:
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads <= 0:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
 
     def power_of_two(n: int) -> list[float]:

@@ -220,6 +220,9 @@ def register_backend(
     """
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
+    for arg, fn in (("run", run), ("why_not", why_not), ("cost", cost), ("prepare", prepare)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"register_backend's {arg} must be a function, got {fn!r}")
     backend = Backend(name, run, why_not or _always, description, prepare)
     _REGISTRY[name] = backend
     if cost is not None:

@@ -99,6 +99,11 @@ class TransformerConfig:
             raise ValueError(f"registers must be an int >= 0, got {self.registers!r}")
         if self.registers < 0:
             raise ValueError(f"registers must be an int >= 0, got {self.registers!r}")
+        eps = self.eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+            raise ValueError(f"eps must be a positive finite number, got {eps!r}")
+        if self.variants is not None and not isinstance(self.variants, AttentionVariants):
+            raise TypeError(f"variants must be an AttentionVariants or None, got {self.variants!r}")
         head_dim = self.embed_dim // self.num_heads
         if self.variants is not None and self.variants.differential:
             # two halves per head, and with RoPE each half is rotated on its own
