@@ -135,3 +135,24 @@ def test_why_not_says_why_in_a_sentence() -> None:
         assert why_not(make_call(q, k, v, **kw)) == sentence, name
         with pytest.raises(BackendUnavailable, match=sentence.split(" and ")[0]):
             scaled_dot_product_attention(q, k, v, backend="torch", **kw)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_meta_tensors_give_the_shape_as_torch_does(backend) -> None:
+    q = torch.empty(2, 4, 3, 8, device="meta")
+    k, v = torch.empty(2, 2, 5, 8, device="meta"), torch.empty(2, 2, 5, 6, device="meta")
+    mask = torch.empty(3, 5, dtype=torch.bool, device="meta")
+    for kwargs in ({}, {"is_causal": True}, {"mask": mask}):
+        out = scaled_dot_product_attention(q, k, v, backend=backend, **kwargs)
+        assert out.device.type == "meta" and out.shape == (2, 4, 3, 6)
+
+
+def test_causal_jagged_inputs_on_the_cpu_say_why() -> None:
+    offsets = torch.tensor([0, 3, 5])
+
+    def jagged(t):
+        return torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2)
+
+    q = jagged(torch.randn(5, 2, 4))
+    with pytest.raises(BackendUnavailable, match="is_causal with nested"):
+        scaled_dot_product_attention(q, q, q, is_causal=True)

@@ -151,9 +151,10 @@ def scaled_dot_product_attention(
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     if backend != "auto":
         get_backend(backend)  # unknown names fail here, before any work
-    if query.is_nested and (forced_backend() or backend) == "auto":
+    if (query.is_nested or query.device.type == "meta") and (forced_backend() or backend) == "auto":
         # Jagged batches: torch's kernel is the one backend that takes them, and auto's cost
         # model sizes a call with plain ints, so they go there before auto weighs anything.
+        # Meta tensors (shapes without values) too: the other backends look at values.
         with use("torch"):
             chosen = select_backend("torch", call)
     else:

@@ -35,6 +35,11 @@ def why_not(call: AttentionCall) -> str | None:
         return reason
     if call.sinks is not None:
         return "torch's fused kernel has no attention sinks (sinks)"
+    if call.query.is_nested and call.is_causal and call.query.device.type == "cpu":
+        return (
+            "is_causal with nested (jagged) inputs: torch's CPU kernels have no causal jagged "
+            "attention; pad the batch and pass a padding mask with is_causal=True"
+        )
     if call.return_weights:
         return "torch's fused kernel does not return the attention weights"
     if call.return_lse:
@@ -57,7 +62,8 @@ def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     causal_flag = causal_flag and call.mask is None and call.bias is None
     mask = None if causal_flag else call.dense_mask()
     bias = call.dense_bias(q.dtype)
-    if not all_finite(q, k, v, bias):
+    meta = q.device.type == "meta"  # shapes only: no value can be looked at
+    if not meta and not all_finite(q, k, v, bias):
         return attention_math(call)  # NaN and infinities as the reference has them
 
     # torch's kernel wants masks with the query's rank; pad broadcastable ones like (j,).
@@ -69,7 +75,7 @@ def run(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     row_has_key = None
     if mask is not None:
         row_has_key = mask.any(dim=-1, keepdim=True)  # (..., i, 1)
-        if bool(row_has_key.all()):
+        if not meta and bool(row_has_key.all()):
             row_has_key = None  # the common case (padding, causal): nothing to repair
         else:
             mask = mask | ~row_has_key  # a fully masked row attends everywhere; zeroed below
