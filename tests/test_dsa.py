@@ -259,3 +259,12 @@ def test_gather_attention_row_with_no_valid_index_is_zero_and_hidden_nan_stays_o
     for grad, grad_ref in zip(grads, torch.autograd.grad(ref.square().sum(), leaves), strict=True):
         torch.testing.assert_close(grad, grad_ref, rtol=0, atol=1e-12)
     assert grads[0][0, :, 2].abs().max() == 0
+
+
+def test_gather_attention_names_an_argument_that_is_not_a_tensor():
+    q, k, v = torch.randn(1, 1, 2, 8), torch.randn(1, 4, 8), torch.randn(1, 4, 3)
+    indices = torch.zeros(1, 2, 2, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"gather_attention: q must be a torch\.Tensor, got list"):
+        gather_attention([[1.0]], k, v, indices)
+    with pytest.raises(TypeError, match=r"gather_attention: valid must be a torch\.Tensor"):
+        gather_attention(q, k, v, indices, [[[True, True], [True, True]]])

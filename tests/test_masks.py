@@ -181,3 +181,15 @@ def test_padding_mask_max_len_is_an_int() -> None:
     with pytest.raises(ValueError, match=r"max_len must be an int or None, got 5\.5"):
         masks.padding_mask([2, 3], max_len=5.5)
     assert masks.padding_mask([2, 3], max_len=torch.tensor(4)).shape == (2, 1, 1, 4)
+
+
+def test_mask_helpers_name_an_argument_that_is_not_a_tensor() -> None:
+    for call, message in [
+        (lambda: masks.padding_mask_from_ids([[1, 0]], 0), "padding_mask_from_ids: ids"),
+        (lambda: masks.block_diagonal_mask([[0, 0, 1]]), "block_diagonal_mask: segment_ids"),
+        (lambda: masks.combine_masks([[True]], None), "combine_masks: mask"),
+        (lambda: masks.from_torch([[True]]), "from_torch: attn_mask"),
+        (lambda: masks.to_additive([[True]]), "to_additive: mask"),
+    ]:
+        with pytest.raises(TypeError, match=f"{message} must be a torch.Tensor, got list"):
+            call()

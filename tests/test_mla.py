@@ -191,3 +191,8 @@ def test_a_bad_mask_is_named_in_both_forms(absorb):
     for mask, error, message in cases:
         with pytest.raises(error, match=message):
             m(x, mask=mask, absorb=absorb)
+
+
+def test_latent_cache_names_a_kv_that_is_not_a_tensor():
+    with pytest.raises(TypeError, match=r"LatentCache\.append takes kv \(b, n, d_c \+ d_r\)"):
+        LatentCache().append([1], 3)

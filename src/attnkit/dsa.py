@@ -441,6 +441,11 @@ def gather_attention(
     Equals ``scaled_dot_product_attention`` under the mask that keeps exactly the valid indexed
     keys of each row (``DeepSeekSparseAttention(method="masked")`` is that reference).
     """
+    for name, t in (("q", q), ("k", k), ("v", v), ("indices", indices), ("valid", valid)):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(
+                f"gather_attention: {name} must be a torch.Tensor, got {type(t).__name__}"
+            )
     if q.ndim != 4 or k.ndim != 3 or v.ndim != 3:
         raise ValueError(
             f"gather_attention takes q (b, h, i, d), k (b, j, d), v (b, j, dv); got "

@@ -193,8 +193,16 @@ def padding_mask(lengths: Tensor | Sequence[int], max_len: int | None = None) ->
     return (j < lengths.unsqueeze(-1))[:, None, None, :]  # (b, 1, 1, j)
 
 
+def _tensors(fn: str, **named: object) -> None:
+    """A clear TypeError for an argument that should be a tensor (or None) and is not."""
+    for name, value in named.items():
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(value).__name__}")
+
+
 def padding_mask_from_ids(ids: Tensor, pad_id: int) -> Tensor:
     """Key padding mask ``(b, 1, 1, j)`` from token ids ``(b, j)``; ``True`` on real tokens."""
+    _tensors("padding_mask_from_ids", ids=ids)
     if ids.ndim != 2:
         raise ValueError(f"ids must have shape (b, j), got {tuple(ids.shape)}")
     return (ids != pad_id)[:, None, None, :]  # (b, 1, 1, j)
@@ -206,6 +214,7 @@ def block_diagonal_mask(segment_ids: Tensor, key_segment_ids: Tensor | None = No
     ``segment_ids`` is ``(b, i)`` (or ``(i,)``), one id per position; ``key_segment_ids``
     defaults to it. Negative ids mark padding, which attends to nothing and is never attended.
     """
+    _tensors("block_diagonal_mask", segment_ids=segment_ids, key_segment_ids=key_segment_ids)
     q_ids = segment_ids
     k_ids = segment_ids if key_segment_ids is None else key_segment_ids
     if q_ids.ndim == 1:
@@ -227,6 +236,7 @@ def combine_masks(*masks: Tensor | None) -> Tensor | None:
     for m in masks:
         if m is None:
             continue
+        _tensors("combine_masks", mask=m)
         if m.dtype != torch.bool:
             raise TypeError(f"combine_masks takes bool masks, got dtype {m.dtype}")
         result = m if result is None else result & m
@@ -244,6 +254,7 @@ def from_torch(
     Returns a bool mask, ``True`` = may attend, shaped to broadcast to ``(b, h, i, j)``.
     A float ``attn_mask`` must hold only ``0`` and ``-inf``; anything else is a bias, not a mask.
     """
+    _tensors("from_torch", attn_mask=attn_mask, key_padding_mask=key_padding_mask)
     parts: list[Tensor] = []
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -293,6 +304,7 @@ def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
 
     Use only at a backend boundary (a kernel that adds its mask to the scores).
     """
+    _tensors("to_additive", mask=mask)
     if mask.dtype != torch.bool:
         raise TypeError(f"to_additive takes a bool mask, got dtype {mask.dtype}")
     if not dtype.is_floating_point:

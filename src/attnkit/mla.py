@@ -97,6 +97,9 @@ class LatentCache:
 
     def append(self, kv: Tensor, kv_rank: int) -> Tensor:
         """Append ``[c_kv; k_r]`` ``(b, n, d_c + d_r)`` with ``d_c = kv_rank``; return all."""
+        if not isinstance(kv, Tensor) or kv.ndim != 3:
+            got = tuple(kv.shape) if isinstance(kv, Tensor) else type(kv).__name__
+            raise TypeError(f"LatentCache.append takes kv (b, n, d_c + d_r), got {got}")
         n = kv.shape[1]
         if self._kv is not None:
             want = (self._kv.shape[0], self._kv.shape[2], self.kv_rank)
