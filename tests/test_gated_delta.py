@@ -225,3 +225,14 @@ def test_empty_heads_and_a_state_that_is_not_a_tensor_are_named():
         gated_delta_rule(q[..., :0], k[..., :0], v, g, beta)
     with pytest.raises(TypeError, match="initial_state must be a tensor or None, got list"):
         gated_delta_rule(q, k, v, g, beta, initial_state=[[0.0]])
+
+
+def test_a_cache_from_another_layer_is_named():
+    first, other = GatedDeltaNet(16, 2, 8).eval(), GatedDeltaNet(32, 4, 8).eval()
+    cache = GatedDeltaCache()
+    with torch.no_grad():
+        first(torch.randn(1, 3, 16), cache=cache)
+        with pytest.raises(ValueError, match="the cache comes from another layer or batch"):
+            other(torch.randn(1, 2, 32), cache=cache)
+        with pytest.raises(ValueError, match="the cache comes from another layer or batch"):
+            first(torch.randn(2, 2, 16), cache=cache)

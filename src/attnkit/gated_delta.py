@@ -475,10 +475,11 @@ class GatedDeltaNet(nn.Module):
         keep = self.kernel_size - 1
         if cache is not None and cache.conv is not None:
             past = cache.conv  # (b, conv_dim, kernel - 1)
-            if past.shape[0] != b:
+            if past.shape != (b, self.conv_dim, keep):
                 raise ValueError(
-                    f"cache holds a batch of {past.shape[0]} but x has a batch of {b}: the "
-                    "cache comes from another batch (call reset())"
+                    f"cache holds convolution inputs {tuple(past.shape)} where this layer needs "
+                    f"(b, conv_dim, kernel_size - 1) = {(b, self.conv_dim, keep)}: the cache "
+                    "comes from another layer or batch (give each layer its own; reset())"
                 )
         else:
             past = x.new_zeros(b, self.conv_dim, keep)  # before the first token: silence
