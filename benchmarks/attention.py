@@ -301,6 +301,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per subprocess")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if min(args.sizes) < 1 or args.repeats < 1 or args.warmup < 0 or args.threads < 1:
+        parser.error("--sizes, --repeats and --threads must be >= 1, --warmup >= 0")
+    if (args.batch is not None and args.batch < 1) or not args.max_dense_gb > 0:
+        parser.error("--batch must be >= 1 and --max-dense-gb above 0")
     if args.quick:  # its table is no measurement to keep: it never replaces the recorded one
         args.sizes, args.repeats, args.no_memory, args.no_write = QUICK_SIZES, 2, True, True
     return args

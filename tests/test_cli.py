@@ -313,3 +313,50 @@ def test_parsing_every_command_imports_no_torch() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["2", "False", "[]"]
+
+
+def _bad_command_lines(tmp: Path) -> list[tuple[list[str], str]]:
+    a_file = tmp / "plain.txt"
+    a_file.write_text("not a folder")
+    return [
+        (["show", "Hi", "--out", str(tmp / ("a" * 300 + ".html"))], "File name too long"),
+        (["evaluate", str(tmp), "--threads", "5000"], "from 1 to 1024"),
+        (["generate", "Hi", "--threads", "99999999999999999999"], "from 1 to 1024"),
+        (["generate", "Hi", "--seed", str(2**64)], "from 0 to 2**63 - 1"),
+        (["train", "iris", "--seed", "-1", "--out", str(tmp / "r")], "from 0 to 2**63 - 1"),
+        (["train", "iris", "--lr", "1e39", "--out", str(tmp / "r")], "at most 3.4e38"),
+        (["serve", "--kv-blocks", "1000000000"], "--kv-blocks x --block-size"),
+        (["serve", "--shutdown-timeout", "nan"], "--shutdown-timeout must be 0 to 86400"),
+        (["serve", "--shutdown-timeout", "inf"], "--shutdown-timeout must be 0 to 86400"),
+        (["serve", "--host", "h" * 300], "not a valid host name"),
+        (["generate", "Hi", "--model", ""], "an empty path"),
+        (["demo", "--out-dir", ""], "an empty path"),
+        (["demo", "--out-dir", str(a_file / "x")], "is a file"),
+        (["generate", "Hi", "--show-attention", str(a_file / "x.html")], "is a file"),
+        (["generate", "Hi", "--max-new-tokens", "0", "--show-attention", str(tmp / "x.html")],
+         "--show-attention needs --max-new-tokens of at least 1"),
+        (["generate", "caf\udce9"], "not valid UTF-8"),
+        (["show", "caf\udce9"], "not valid UTF-8"),
+    ]  # fmt: skip
+
+
+def test_bad_command_lines_are_one_line_and_exit_2_before_any_model_loads(
+    capsys, tmp_path, monkeypatch
+) -> None:
+    from attnkit.commands import generate, serve
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded for a command line that is wrong")
+
+    monkeypatch.setattr(generate, "load_model", no_model)
+    monkeypatch.setattr(serve, "load_model", no_model)
+    for argv, expected in _bad_command_lines(tmp_path):
+        try:
+            code = cli.main(argv)
+        except SystemExit as stop:  # argparse's own errors
+            code = stop.code
+        assert code == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert expected in err, (argv, err)
+        assert len(err.splitlines()) <= 2, (argv, err)  # argparse puts its usage line first
+    assert not (tmp_path / "r").exists()

@@ -67,7 +67,6 @@ def test_continuation_is_printed_after_the_prompt(tiny_gguf, capsys) -> None:
         (["hi", "--top-k", "0"], "top_k"),
         (["hi", "--stop", ""], "--stop"),
         (["hi", "--system", "be brief"], "--system needs --chat"),
-        (["hi", "--threads", "0"], "--threads"),
         (["hi", "--model", "/nonexistent/model.gguf"], "does not exist"),
     ],
 )

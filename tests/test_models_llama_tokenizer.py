@@ -74,6 +74,8 @@ def test_a_template_renders_as_jinjas_sandbox_does() -> None:
         ("{% for i in range(99999) %}{{ messages[0]['content'] * 99 }}{% endfor %}",
          r"its output passed 1,048,6\d\d characters"),
         ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", r"recursed without end"),
+        ("{{ 1 / 0 }}", r"the chat template failed: ZeroDivisionError"),
+        ("{{ messages[7]['content'] }}", r"the chat template failed|refused these messages"),
     ],
 )  # fmt: skip
 def test_a_hostile_template_stops_early_with_one_error(template: str, match: str) -> None:

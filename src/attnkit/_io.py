@@ -15,17 +15,41 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_text", "check_writable"]
+__all__ = [
+    "atomic_open",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "check_writable",
+    "is_utf8",
+]
+
+
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8: a lone surrogate (a JSON escape such as ``\\ud800``,
+    or bytes of a command-line argument that are not UTF-8) does not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_writable(path: str | os.PathLike[str]) -> Path:
     """Fail early (before heavy work) when ``path`` cannot be written; returns it as a Path."""
+    if not str(path):
+        raise ValueError("the output path is empty")
     path = Path(path)
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as exc:  # a name too long for the file system, say
+        raise ValueError(f"output path {str(path)!r}: {exc.strerror}") from None
+    if is_dir:
         raise IsADirectoryError(f"output path {str(path)!r} is a directory, expected a file path")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.exists():
         raise FileNotFoundError(f"output directory {str(parent)!r} does not exist")
+    if not parent.is_dir():
+        raise NotADirectoryError(f"output directory {str(parent)!r} is a file, not a directory")
     if not os.access(parent, os.W_OK):
         raise PermissionError(f"output directory {str(parent)!r} is not writable")
     return path

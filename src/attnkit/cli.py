@@ -48,6 +48,7 @@ USER_ERRORS = (
     PermissionError,
     IsADirectoryError,
     NotADirectoryError,
+    OSError,  # the file system's answer (a name too long, no space left): the user's to fix
 )
 
 
@@ -115,6 +116,8 @@ def _main(argv: Sequence[str] | None) -> int:
             warnings.showwarning = _one_line_warning(args.command)
             extras.require(args)  # before any work: a missing package leaves no files behind
             return int(args.func(args) or 0)
+    except BrokenPipeError:  # a reader that went away: the entry point ends quietly
+        raise
     except USER_ERRORS as exc:
         print(f"attnkit {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from attnkit.commands.train import PATH
+
 # The worked example, and its result by hand (3 decimals): scores q.k / sqrt(2) are
 # [0.707, 1.414, 2.121], their softmax the weights, and the output the weighted sum of V's rows.
 WORKED_QUERY = [[1.0, 2.0]]
@@ -53,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--out-dir",
-        type=Path,
+        type=PATH,
         default=Path(DEFAULT_OUT),
         help=f"where the pictures go, overwritten by each run (default: ./{DEFAULT_OUT})",
     )
@@ -85,10 +87,14 @@ def run(args: argparse.Namespace) -> int:
 
 def check_out_dir(path: str | os.PathLike[str]) -> Path:
     """``path`` as a folder the demo may write into (created later, if missing)."""
+    if not str(path):
+        raise ValueError("--out-dir is empty: name a folder (. for this one)")
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"--out-dir {str(path)!r} is a file, expected a folder")
     parent = path if path.exists() else path.parent
+    if parent.exists() and not parent.is_dir():
+        raise NotADirectoryError(f"--out-dir {str(path)!r}: {str(parent)!r} is a file")
     if not parent.is_dir():
         raise FileNotFoundError(f"--out-dir {str(path)!r}: {str(parent)!r} does not exist")
     if not os.access(parent, os.W_OK):

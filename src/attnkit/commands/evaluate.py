@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnkit.commands.train import POSITIVE
+from attnkit.commands.train import THREADS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", type=Path, help="the directory `attnkit train --out` wrote")
     p.add_argument("--out", type=Path, default=None, help="also write the metrics to this .json")
-    p.add_argument("--threads", type=POSITIVE, default=None, help="torch threads")
+    p.add_argument("--threads", type=THREADS, default=None, help="torch threads")
     p.set_defaults(func=run)
 
 

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from attnkit.commands.train import PATH, SEED, THREADS
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -34,9 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--seed", type=SEED, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=None, help="stop at this text (repeatable)")
-    p.add_argument("--model", type=Path, default=None, help="a .gguf file or a Llama directory")
+    p.add_argument("--model", type=PATH, default=None, help="a .gguf file or a Llama directory")
     p.add_argument(
         "--weights",
         choices=("gguf", "float32"),
@@ -44,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="gguf keeps a GGUF file's quantised blocks (its default, about 5x less memory); "
         "float32 de-quantises every weight (a Llama directory's only choice)",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--threads", type=THREADS, default=None, help="torch threads")
     p.add_argument(
         "--show-attention",
         type=Path,
@@ -69,13 +71,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty: give some text to continue")
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.threads is not None and args.threads <= 0:
-        raise ValueError(f"--threads must be a positive number, got {args.threads}")
+    from attnkit._io import is_utf8
+
+    if not is_utf8(args.prompt) or not is_utf8(args.system or ""):
+        raise ValueError("the prompt (or --system) is not valid UTF-8 text")
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat")
     if any(not s for s in args.stop or ()):
         raise ValueError("--stop needs a non-empty text")
     Sampling(args.temperature, args.top_k, args.top_p)  # checks the sampling arguments
+    if args.show_attention is not None and args.max_new_tokens == 0:
+        raise ValueError("--show-attention needs --max-new-tokens of at least 1")
     if args.model is not None and not args.model.exists():
         raise FileNotFoundError(f"model {str(args.model)!r} does not exist")
     if args.show_attention is not None:

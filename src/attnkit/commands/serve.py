@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import signal
 import socket
 import sys
 from pathlib import Path
 from typing import Any
+
+from attnkit.commands.train import PATH, THREADS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "continuous batching, a paged KV cache and prefix caching. Point the openai client at "
         "http://HOST:PORT/v1.",
     )
-    p.add_argument("--model", type=Path, default=None, help="a .gguf file or a Llama directory")
+    p.add_argument("--model", type=PATH, default=None, help="a .gguf file or a Llama directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
@@ -43,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-prefix-cache", action="store_true", help="do not share prompt prefixes")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish")
-    p.add_argument("--threads", type=int, default=None, help="threads of the model's steps")
+    p.add_argument("--threads", type=THREADS, default=None, help="threads of the model's steps")
     p.add_argument(
         "--kv-dtype",
         default="float16",
@@ -80,6 +83,25 @@ def load_model(path: Path | None) -> Any:
     return load_pretrained(path)
 
 
+MAX_POSITIONS = 2**24  # KV positions: far past any machine's memory for a real model
+
+
+def check_pool_fits(args: argparse.Namespace, config: Any) -> None:
+    """The KV pool --kv-blocks asks for, against this machine's memory, before it is allocated."""
+    import torch
+
+    itemsize = torch.empty(0, dtype=getattr(torch, args.kv_dtype)).element_size()
+    per_position = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+    need = args.kv_blocks * args.block_size * per_position
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > memory:
+        raise ValueError(
+            f"--kv-blocks {args.kv_blocks} x --block-size {args.block_size} needs "
+            f"{need / 2**30:.1f} GiB of KV cache ({per_position:,} bytes a position), more than "
+            f"this machine's {memory / 2**30:.1f} GiB"
+        )
+
+
 def check(args: argparse.Namespace) -> None:
     """Every argument, before the model loads."""
     if not 0 <= args.port <= 65535:
@@ -97,8 +119,15 @@ def check(args: argparse.Namespace) -> None:
         )
     if args.kv_dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"--kv-dtype must be float32, float16 or bfloat16, got {args.kv_dtype!r}")
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if not 0 <= args.shutdown_timeout <= 86400:  # NaN fails too
+        raise ValueError(
+            f"--shutdown-timeout must be 0 to 86400 seconds, got {args.shutdown_timeout}"
+        )
+    if args.kv_blocks * args.block_size > MAX_POSITIONS:
+        raise ValueError(
+            f"--kv-blocks x --block-size = {args.kv_blocks * args.block_size:,} positions; at most "
+            f"{MAX_POSITIONS:,}"
+        )
     if args.model is not None and not args.model.exists():
         raise FileNotFoundError(f"model {str(args.model)!r} does not exist")
 
@@ -108,8 +137,9 @@ def bind(host: str, port: int) -> socket.socket:
     is not this machine's or is taken fails here, in one line, before the model loads."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as err:
-        message = f"--host {host!r} does not resolve to an address: {err.strerror}"
+    except (socket.gaierror, UnicodeError) as err:  # UnicodeError: not a valid host name
+        reason = err.strerror if isinstance(err, socket.gaierror) else "not a valid host name"
+        message = f"--host {host!r} does not resolve to an address: {reason}"
         raise ValueError(message) from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
@@ -150,6 +180,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
             print(f"attnkit serve: the C++ kernel was not built ({reason}); serving on the "
                   "reference paths", file=sys.stderr)  # fmt: skip
     llm = load_model(args.model)
+    check_pool_fits(args, llm.model.config)
     engine = Engine(
         llm.model,
         num_blocks=args.kv_blocks,
@@ -171,10 +202,13 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         log_level="info",
         timeout_graceful_shutdown=max(1, round(args.shutdown_timeout)),
     )
-    # uvicorn handles SIGTERM (stop accepting, drain, shut the application down) and then
-    # raises the signal again under the handler that was there before: a quiet one, so the
-    # process ends with 0 after a clean shutdown instead of dying by the signal.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    # uvicorn handles SIGTERM and SIGINT (Ctrl-C: stop accepting, drain, shut the application
+    # down) and then raises the signal again under the handler that was there before: a quiet
+    # one, so the process ends with 0 after a clean shutdown instead of dying by the signal
+    # (or, for Ctrl-C, reporting an interruption). Set only now: Ctrl-C while the model loads
+    # still interrupts.
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, lambda signum, frame: None)
     # What loading made (torch, the model, the tokenizer, the application: about 200,000
     # objects) lives as long as the server: the cyclic garbage collector leaves it alone from
     # now on, so its collections during serving walk the requests' objects only.

@@ -169,13 +169,15 @@ def write_output(
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnkit._io import check_writable
+    from attnkit._io import check_writable, is_utf8
     from attnkit.viz.heatmap import SAVE_FORMATS
 
     pictures = tuple(SAVE_FORMATS)  # what save_figure writes
     text = args.text
     if not text.strip():
         raise ValueError('TEXT is empty; give a sentence, e.g. attnkit show "The cat sat."')
+    if not is_utf8(text):
+        raise ValueError("TEXT is not valid UTF-8 text")
     out = check_writable(args.out)  # fail before loading the model
     if out.suffix.lower() not in pictures + PAGES:
         raise ValueError(

@@ -36,10 +36,20 @@ def _number(kind: type, least: float, words: str, most: float = math.inf) -> Cal
     return parse
 
 
+def PATH(text: str) -> Path:
+    """A path argument: an empty one would mean the current folder, which nobody asks for."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; name a file or folder")
+    return Path(text)
+
+
+PATH.__name__ = "a path"
 POSITIVE = _number(int, 1, "a whole number of at least 1")
 NATURAL = _number(int, 0, "a whole number of at least 0")
-POSITIVE_FLOAT = _number(float, 1e-300, "a finite number above 0")
+# float32 holds up to about 3.4e38: a larger setting overflows in the first step
+POSITIVE_FLOAT = _number(float, 1e-300, "a number above 0 and at most 3.4e38", 3.4e38)
 THREADS = _number(int, 1, "a whole number from 1 to 1024", 1024)  # torch takes up to 2**31 - 1
+SEED = _number(int, 0, "a whole number from 0 to 2**63 - 1", 2**63 - 1)  # torch's seeds
 TEXT_ONLY = ("max_len", "limit_train", "freeze_layers")  # options only the text task reads
 # The worked examples of the course (docs/learn): their default model sizes, which the options
 # --d-model, --heads and --layers replace.
@@ -65,9 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "vit: a Vision Transformer on 1,797 8x8 digits; translate: dates in many formats to "
         "ISO, with cross-attention; forecast: a year of weekly Mauna Loa CO2",
     )
-    p.add_argument(
-        "--seed", type=NATURAL, default=0, help="seeds the split, the weights, the order"
-    )
+    p.add_argument("--seed", type=SEED, default=0, help="seeds the split, the weights, the order")
     p.add_argument("--out", type=Path, default=None, help="checkpoint directory")
     p.add_argument(
         "--variant",

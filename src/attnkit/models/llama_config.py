@@ -9,6 +9,7 @@ tied input/output embeddings: 134,515,008 parameters.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -87,10 +88,20 @@ class LlamaConfig:
                 raise ValueError(f"GGUF metadata lacks {key!r}, which a Llama model needs")
             return meta[key]
 
-        embed_dim = int(need("llama.embedding_length"))
-        num_heads = int(need("llama.attention.head_count"))
+        def whole(key: str, default: Any = None) -> int:
+            return _whole(
+                "GGUF metadata", key, need(key) if default is None else meta.get(key, default)
+            )
+
+        embed_dim = whole("llama.embedding_length")
+        num_heads = whole("llama.attention.head_count")
+        _check_positive("llama.attention.head_count", num_heads)
         rope_dims = meta.get("llama.rope.dimension_count")
-        if rope_dims is not None and int(rope_dims) != embed_dim // num_heads:
+        if (
+            rope_dims is not None
+            and _whole("GGUF metadata", "llama.rope.dimension_count", rope_dims)
+            != embed_dim // num_heads
+        ):
             raise ValueError(
                 f"partial rotary embeddings (llama.rope.dimension_count={rope_dims} of head "
                 f"width {embed_dim // num_heads}) are not supported"
@@ -100,15 +111,21 @@ class LlamaConfig:
             raise ValueError(f"RoPE scaling {scaling!r} (llama.rope.scaling.type) is not supported")
         vocab = meta.get("llama.vocab_size") or len(need("tokenizer.ggml.tokens"))
         return cls(
-            vocab_size=int(vocab),
+            vocab_size=_whole("GGUF metadata", "llama.vocab_size", vocab),
             embed_dim=embed_dim,
-            num_layers=int(need("llama.block_count")),
+            num_layers=whole("llama.block_count"),
             num_heads=num_heads,
-            num_kv_heads=int(meta.get("llama.attention.head_count_kv", num_heads)),
-            ffn_dim=int(need("llama.feed_forward_length")),
-            rope_base=float(meta.get("llama.rope.freq_base", 10000.0)),
-            eps=float(need("llama.attention.layer_norm_rms_epsilon")),
-            max_len=int(meta.get("llama.context_length", 2048)),
+            num_kv_heads=whole("llama.attention.head_count_kv", num_heads),
+            ffn_dim=whole("llama.feed_forward_length"),
+            rope_base=_real(
+                "GGUF metadata", "llama.rope.freq_base", meta.get("llama.rope.freq_base", 10000.0)
+            ),
+            eps=_real(
+                "GGUF metadata",
+                "llama.attention.layer_norm_rms_epsilon",
+                need("llama.attention.layer_norm_rms_epsilon"),
+            ),
+            max_len=whole("llama.context_length", 2048),
             tie_embeddings=tie_embeddings,
             bos_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
             eos_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
@@ -118,6 +135,15 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> LlamaConfig:
         """From a Hugging Face ``config.json`` of ``model_type`` ``"llama"``."""
+        if not isinstance(config, Mapping):
+            raise ValueError(f"config.json must hold a JSON object, got {type(config).__name__}")
+
+        def whole(key: str, default: Any = None) -> int:
+            if default is None and key not in config:
+                raise ValueError(f"config.json lacks {key!r}, which a Llama model needs")
+            value = config.get(key)
+            return _whole("config.json", key, default if value is None else value)
+
         model_type = config.get("model_type")
         if model_type != "llama":
             raise ValueError(f"expected a Llama config (model_type 'llama'), got {model_type!r}")
@@ -131,30 +157,49 @@ class LlamaConfig:
             unsupported.append(f"rope scaling {rope!r}")
         if config.get("hidden_act", "silu") != "silu":
             unsupported.append(f"hidden_act={config['hidden_act']!r}")
+        embed_dim, num_heads = whole("hidden_size"), whole("num_attention_heads")
+        _check_positive("num_attention_heads", num_heads)
         head_dim = config.get("head_dim")
-        if (
-            head_dim is not None
-            and head_dim != config["hidden_size"] // config["num_attention_heads"]
-        ):
+        if head_dim is not None and head_dim != embed_dim // num_heads:
             unsupported.append(f"head_dim={head_dim}")
         if unsupported:
             raise ValueError(f"unsupported Llama config options: {', '.join(unsupported)}")
-        num_heads = int(config["num_attention_heads"])
+        rope_base = config.get("rope_theta") or rope.get("rope_theta") or 10000.0
         return cls(
-            vocab_size=int(config["vocab_size"]),
-            embed_dim=int(config["hidden_size"]),
-            num_layers=int(config["num_hidden_layers"]),
+            vocab_size=whole("vocab_size"),
+            embed_dim=embed_dim,
+            num_layers=whole("num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-            ffn_dim=int(config["intermediate_size"]),
-            rope_base=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_len=int(config.get("max_position_embeddings", 2048)),
+            num_kv_heads=whole("num_key_value_heads", num_heads),
+            ffn_dim=whole("intermediate_size"),
+            rope_base=_real("config.json", "rope_theta", rope_base),
+            eps=_real("config.json", "rms_norm_eps", config.get("rms_norm_eps", 1e-6)),
+            max_len=whole("max_position_embeddings", 2048),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             bos_id=_opt_int(config.get("bos_token_id")),
             eos_id=_opt_int(_first(config.get("eos_token_id"))),
             pad_id=_opt_int(config.get("pad_token_id")),
         )
+
+
+def _whole(source: str, key: str, value: Any) -> int:
+    """``value`` of ``key`` as an int: an int (numpy's too) or a whole float; never a bool, a
+    string or a fraction."""
+    if isinstance(value, bool):
+        ok = False
+    elif isinstance(value, float):
+        ok = math.isfinite(value) and value.is_integer()
+    else:
+        ok = hasattr(type(value), "__index__")
+    if not ok:
+        raise ValueError(f"{source}: {key} must be a whole number, got {value!r}")
+    return int(value)
+
+
+def _real(source: str, key: str, value: Any) -> float:
+    if isinstance(value, (bool, str, bytes)) or not hasattr(type(value), "__float__"):
+        raise ValueError(f"{source}: {key} must be a number, got {value!r}")
+    return float(value)
 
 
 def _check_positive(name: str, value: object) -> None:

@@ -217,6 +217,9 @@ class LlamaTokenizer:
             raise ValueError(f"the chat template refused these messages: {err}") from err
         except RecursionError as err:
             raise ValueError("the chat template recursed without end") from err
+        except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError) as err:
+            # the template's own expressions failed (1/0, a missing key): a broken template
+            raise ValueError(f"the chat template failed: {type(err).__name__}: {err}") from err
         return "".join(pieces)
 
     @classmethod

@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from attnkit._io import is_utf8
 from attnkit.models.llama_generate import Sampling
 from attnkit.serve.requests import Generation, Scoring
 
@@ -115,13 +116,13 @@ def not_unicode(body: Mapping[str, Any]) -> str | None:
     top-level key whose value holds it ("" for a key itself). JSON's escapes can spell a lone
     surrogate (``"\\ud800"``), which no tokenizer or UTF-8 answer can carry."""
     for name, value in body.items():
-        if not _encodes(name):
+        if not is_utf8(name):
             return ""
         stack = [value]  # a walk, not recursion: JSON nests as deep as the parser allowed
         while stack:
             item = stack.pop()
             if isinstance(item, str):
-                if not _encodes(item):
+                if not is_utf8(item):
                     return name
             elif isinstance(item, dict):
                 stack.extend(item.keys())
@@ -129,14 +130,6 @@ def not_unicode(body: Mapping[str, Any]) -> str | None:
             elif isinstance(item, list):
                 stack.extend(item)
     return None
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _real(x: object) -> bool:
