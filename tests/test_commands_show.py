@@ -251,3 +251,11 @@ def test_a_directory_without_a_model_exits_2(
     assert main(["show", "a b", "--model", str(tmp_path), "--out", str(out)]) == 2
     assert "has no config.json" in _one_error_line(capsys)
     assert not out.exists()
+
+
+def test_a_damaged_model_directory_is_one_line(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text("{", encoding="utf-8")
+    assert main(["show", "Hi", "--model", str(tmp_path), "--out", str(tmp_path / "a.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "could not be loaded" in err and len(err.splitlines()) == 1

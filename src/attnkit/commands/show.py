@@ -68,7 +68,15 @@ def load_hf_model(path: str) -> tuple[Any, Any]:
         pass  # load says which extra to install
     else:
         logging.disable_progress_bar()
-    return load(path)
+    try:
+        return load(path)
+    except ImportError:
+        raise  # the CLI names the extra to install
+    except Exception as exc:  # a damaged or unusual directory: its files say why, in one line
+        reason = " ".join(str(exc).split())[:300]
+        raise ValueError(
+            f"--model {path!r} could not be loaded: {type(exc).__name__}: {reason}"
+        ) from exc
 
 
 def encode_hf(text: str, path: str) -> tuple[Any, list[str], frozenset[str]]:
