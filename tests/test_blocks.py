@@ -127,3 +127,19 @@ def test_block_cross_attention_errors() -> None:
         block(torch.randn(1, 3, 8))
     with pytest.raises(ValueError, match="no cross-attention"):
         TransformerBlock(8, 2, 16)(torch.randn(1, 3, 8), memory=torch.randn(1, 2, 8))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize(
+    ("x", "error", "words"),
+    [
+        (torch.randn(2, 5, 32, dtype=torch.float64), TypeError, "x is torch.float64 but the"),
+        (torch.randn(2, 5, 31), ValueError, r"x must have shape \(b, n, embed_dim=32\)"),
+        (torch.randn(5, 32), ValueError, r"x must have shape \(b, n, embed_dim=32\)"),
+        ([[0.0] * 32], TypeError, "x must be a torch.Tensor, got list"),
+    ],
+)
+def test_block_names_a_bad_x_before_its_norms(norm_first, x, error, words) -> None:
+    block = TransformerBlock(32, 4, 64, norm_first=norm_first)
+    with pytest.raises(error, match=words):
+        block(x)

@@ -183,6 +183,7 @@ def _code(argv: list[str]) -> int:
         ("iris --layers two", "--layers: 'two' is not"),
         ("text --limit-train -5", "--limit-train: '-5' is not a whole number of at least 1"),
         ("text --max-len 0", "--max-len: '0' is not a whole number of at least 1"),
+        ("text --limit-train 1", "limit_train=1 keeps 1 training snippet(s), all of class"),
         ("iris --max-len 32", "--max-len: only the text task reads this; iris does not"),
         ("iris --limit-train 10", "--limit-train: only the text task reads this"),
         ("iris --freeze-layers 2", "--freeze-layers: only the text task reads this"),

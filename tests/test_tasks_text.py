@@ -39,3 +39,13 @@ def test_scratch_run_writes_metrics_words_and_reloads(tmp_path):
 def test_run_names_a_known_variant() -> None:
     with pytest.raises(ValueError, match="variant must be 'scratch' or 'pretrained'"):
         TextRun(variant="large")
+
+
+@pytest.mark.parametrize("limit", [1, 3, 0, True, 2.5])
+def test_a_training_set_of_one_class_or_no_snippet_is_refused_before_the_run_folder(
+    tmp_path, limit
+) -> None:
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"limit_train"):
+        train_text(TextRun(limit_train=limit, baseline=False), out=out, progress=False)
+    assert not out.exists()

@@ -204,11 +204,15 @@ class MultiHeadAttention(nn.Module):
         b = None if self.in_proj.bias is None else self.in_proj.bias[start : start + size]
         return F.linear(x, w, b)
 
-    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+    def _check_inputs(
+        self, query: Tensor, key: Tensor, value: Tensor, names: tuple[str, ...] = ()
+    ) -> None:
+        """Shapes and dtypes against the module's; ``names`` renames the three in the errors."""
+        qn, kn, vn = names or ("query", "key", "value")
         for name, t, width, wname in (
-            ("query", query, self.embed_dim, "embed_dim"),
-            ("key", key, self.kdim, "kdim"),
-            ("value", value, self.vdim, "vdim"),
+            (qn, query, self.embed_dim, "embed_dim"),
+            (kn, key, self.kdim, "kdim"),
+            (vn, value, self.vdim, "vdim"),
         ):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -218,7 +222,7 @@ class MultiHeadAttention(nn.Module):
                     f"got {tuple(t.shape)}"
                 )
         weight = next((p for p in self.parameters() if p.is_floating_point()), None)
-        for name, t in (("query", query), ("key", key), ("value", value)):
+        for name, t in ((qn, query), (kn, key), (vn, value)):
             if weight is not None and t.dtype != weight.dtype and not _autocasting(t):
                 raise TypeError(
                     f"{name} is {t.dtype} but the module's weights are {weight.dtype}: cast one "

@@ -174,6 +174,8 @@ class TransformerBlock(nn.Module):
             raise ValueError("memory was given but this block has no cross-attention")
         if self.cross_attn is not None and memory is None:
             raise ValueError("this block has cross-attention: pass memory (b, j, embed_dim)")
+        # x is checked before a norm reads it (a norm's own error does not name x).
+        self.attn._check_inputs(x, x, x, names=("x", "x", "x"))
         kwargs = dict(mask=mask, is_causal=is_causal, need_weights=need_weights, bias=bias)
         if value_residual is not None:
             kwargs["value_residual"] = value_residual

@@ -11,6 +11,7 @@ epoch, which gives exactly the uninterrupted run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -318,12 +319,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, env: DistEnv, say: Callable[..., None]) -> int:
+    out = out_dir(args)
+    # The folders this run creates (out and its missing parents), innermost first: a run that
+    # fails before writing anything leaves no empty folder behind.
+    created = [p for p in (out, *out.parents) if not p.exists()] if env.is_main else []
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run_in(args, env, say, out)
+    except BaseException:
+        with contextlib.suppress(OSError):  # stops at the first folder that is not empty
+            for folder in created:
+                folder.rmdir()
+        raise
+
+
+def _run_in(args: argparse.Namespace, env: DistEnv, say: Callable[..., None], out: Path) -> int:
     from attnkit._io import check_writable
 
     variant = args.variant if args.task == "text" else "scratch"
-    out = out_dir(args)
-    if env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
     from attnkit.distributed import ddp
 
     ddp.barrier(env)  # the directory exists for every rank, so all ranks check alike

@@ -140,6 +140,27 @@ def baseline_tfidf(data: TextData, cs: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0))
 # ------------------------------------------------------------------------------------ datasets
 
 
+def _limited(data: TextData, limit_train: int | None) -> TextData:
+    """``data`` with its first ``limit_train`` training snippets, which must hold both classes.
+
+    Checked before a run folder exists: a classifier (and the baseline) fitted on one class
+    has nothing to learn.
+    """
+    if limit_train is None:
+        return data
+    if isinstance(limit_train, bool) or not isinstance(limit_train, int) or limit_train < 1:
+        raise ValueError(f"limit_train must be a positive int or None, got {limit_train!r}")
+    limited = data.limited(limit_train)
+    kept = sorted(set(limited.train_labels.tolist()))
+    if len(kept) < 2:
+        names = ", ".join(RT_LABELS[k] for k in kept)
+        raise ValueError(
+            f"limit_train={limit_train} keeps {len(limited.train_texts)} training snippet(s), "
+            f"all of class {names!r}; the classifier needs both classes: ask for more snippets"
+        )
+    return limited
+
+
 def scratch_datasets(data: TextData, vocab: Vocab, max_len: int) -> list[dict]:
     """Train / validation / test as ``fit``'s datasets: word ids, padding mask, labels."""
     sets = []
@@ -283,8 +304,7 @@ def train_text(
     run = run or TextRun()
     variant, seed, max_len, limit_train = run.variant, run.seed, run.max_len, run.limit_train
     default = SCRATCH_TRAIN if variant == "scratch" else PRETRAINED_TRAIN
-    data = load_rotten_tomatoes(seed)
-    data = data.limited(limit_train)
+    data = _limited(load_rotten_tomatoes(seed), limit_train)
     if variant == "scratch":
         vocab = Vocab.build(data.train_texts)
         config = {"vocab_size": len(vocab), "max_len": max_len, **run.model}
@@ -378,7 +398,7 @@ def evaluate_text(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
     if variant not in VARIANTS:
         raise ValueError(f"{str(source)!r}: variant must be one of {VARIANTS}, got {variant!r}")
     ckpt = open_checkpoint(directory)
-    data = load_rotten_tomatoes(seed).limited(config["limit_train"])
+    data = _limited(load_rotten_tomatoes(seed), config["limit_train"])
     if variant == "scratch":
         ckpt.require(VOCAB_FILE, "the scratch model's word ids")
         vocab_path = ckpt.path(VOCAB_FILE)
