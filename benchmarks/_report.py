@@ -1,5 +1,5 @@
-"""Shared by the benchmark scripts: environment, medians, their section of docs/benchmarks.md,
-and the charts at the top of that page.
+"""Shared by the benchmark scripts: checks of their numeric arguments, environment, medians,
+their section of docs/benchmarks.md, and the charts at the top of that page.
 
 Each script owns one section of ``docs/benchmarks.md``, delimited by
 ``<!-- begin:NAME -->`` / ``<!-- end:NAME -->``; rewriting it leaves the other sections alone.
@@ -11,7 +11,9 @@ measured (``benchmarks/charts.py`` redraws them from the tables already recorded
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -21,11 +23,12 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from attnkit._io import atomic_write_bytes, atomic_write_text
+
+if TYPE_CHECKING:  # torch loads on first use: a script checks its arguments before that
+    import torch
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 CHARTS = DOC.parent / "images" / "benchmarks"
@@ -33,6 +36,78 @@ HEADER = (
     "# Benchmarks\n\n"
     "Measured on this project's 2-core CPU machine; every table names the command that made it.\n"
 )
+
+
+MAX_THREADS = 1024  # threads, processes or cores one run may ask for
+MAX_SECONDS = 1_000_000  # a time limit (11.6 days); far larger ones overflow the OS's timers
+
+
+def _whole(text: str, lowest: int, highest: int | None) -> int:
+    expected = (
+        f"a whole number of at least {lowest}"
+        if highest is None
+        else f"a whole number from {lowest} to {highest}"
+    )
+    try:
+        if isinstance(text, bool):
+            raise ValueError
+        value = int(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}") from None
+    if value < lowest or (highest is not None and value > highest):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}")
+    return value
+
+
+def _finite(text: str, above_zero: bool, highest: float | None = None) -> float:
+    expected = f"a finite number {'above 0' if above_zero else 'of at least 0'}"
+    expected += "" if highest is None else f" and at most {highest:,}"
+    try:
+        if isinstance(text, bool):
+            raise ValueError
+        value = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}") from None
+    too_big = highest is not None and value > highest
+    if not math.isfinite(value) or value < 0 or (above_zero and value == 0) or too_big:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number >= 1 (a count, a size, rounds)."""
+    return _whole(text, 1, None)
+
+
+def natural_int(text: str) -> int:
+    """An argparse ``type``: a whole number >= 0 (warm-up rounds, a seed)."""
+    return _whole(text, 0, None)
+
+
+def thread_count(text: str) -> int:
+    """An argparse ``type``: threads, processes or cores, from 1 to ``MAX_THREADS``."""
+    return _whole(text, 1, MAX_THREADS)
+
+
+def port_number(text: str) -> int:
+    """An argparse ``type``: a TCP port a server may listen on, the next one free for another
+    (1 to 65534)."""
+    return _whole(text, 1, 65534)
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0 (a size in GB); no nan, no inf."""
+    return _finite(text, above_zero=True)
+
+
+def time_limit(text: str) -> float:
+    """An argparse ``type``: a time limit in seconds, above 0 and at most ``MAX_SECONDS``."""
+    return _finite(text, above_zero=True, highest=MAX_SECONDS)
+
+
+def natural_float(text: str) -> float:
+    """An argparse ``type``: a finite number >= 0; no nan, no inf."""
+    return _finite(text, above_zero=False)
 
 
 def cpu() -> str:
@@ -52,6 +127,8 @@ def cpu() -> str:
 
 
 def environment() -> str:
+    import torch
+
     return (
         f"CPU {cpu()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{platform.machine()}, Python {platform.python_version()}"
@@ -70,6 +147,8 @@ def status_kib(field: str) -> int:
 def grad_step(fn: Callable[[], torch.Tensor], mode: str, tensors: Iterable[torch.Tensor]) -> None:
     """One timed step: ``fn()`` without autograd (``mode="fwd"``), or ``fn()`` and the
     backward of its float32 sum (``"fwdbwd"``), the gradients of ``tensors`` then dropped."""
+    import torch
+
     if mode == "fwd":
         with torch.no_grad():
             fn()

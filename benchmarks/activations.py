@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
-from _report import environment, write_section
+from _report import environment, thread_count, write_section
 from generate import PLAIN_MORE, PROMPTS, STORY
 
 LENGTHS = (1, 7, 64, 257, 1000)
@@ -169,12 +169,16 @@ def report(rows, same, n_prompts: int, lengths) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 prompts, short; print only")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=thread_count, default=2)
     parser.add_argument("--no-write", action="store_true", help="print only")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from attnkit.backends import fused
     from attnkit.models.llama import bundled_model_path, load_pretrained

@@ -53,6 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
 import _report
+from _report import natural_int, positive_float, positive_int, thread_count, time_limit
 
 from attnkit._progress import progress  # a bar when stderr is a terminal
 
@@ -278,19 +279,23 @@ QUICK_SIZES = [512, 1024]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--sizes", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384]
+        "--sizes", type=positive_int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384]
     )
-    parser.add_argument("--batch", type=int, default=None, help="b for every n (default: 4..1)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--batch", type=positive_int, default=None, help="b for every n (default: 4..1)"
+    )
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed rounds (median)")
+    parser.add_argument("--warmup", type=natural_int, default=1, help="untimed rounds first")
+    parser.add_argument("--threads", type=thread_count, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument(
         "--methods", nargs="+", default=METHODS, choices=METHODS + EXTRA_METHODS, metavar="M"
     )
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     parser.add_argument("--no-memory", action="store_true", help="skip peak-memory runs")
-    parser.add_argument("--max-dense-gb", type=float, default=6.0, help="skip bigger dense routes")
+    parser.add_argument(
+        "--max-dense-gb", type=positive_float, default=6.0, help="skip bigger dense routes"
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -298,13 +303,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "never writes docs/benchmarks.md",
     )
     parser.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks.md")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds per subprocess")
+    parser.add_argument("--timeout", type=time_limit, default=3600, help="seconds per subprocess")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if min(args.sizes) < 1 or args.repeats < 1 or args.warmup < 0 or args.threads < 1:
-        parser.error("--sizes, --repeats and --threads must be >= 1, --warmup >= 0")
-    if (args.batch is not None and args.batch < 1) or not args.max_dense_gb > 0:
-        parser.error("--batch must be >= 1 and --max-dense-gb above 0")
     if args.quick:  # its table is no measurement to keep: it never replaces the recorded one
         args.sizes, args.repeats, args.no_memory, args.no_write = QUICK_SIZES, 2, True, True
     return args

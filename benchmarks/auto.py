@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, attention
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
 
 import _report
+from _report import natural_int, positive_float, positive_int, thread_count, time_limit
 
 HEADS, DIM, WINDOW, DOCUMENTS = 8, 64, 256, 8
 SIZES = [512, 1024, 2048, 4096, 8192]
@@ -269,23 +270,25 @@ def render(rows: list[dict], command: str, elapsed: float, repeats: int, threads
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=SIZES)
+    parser.add_argument("--sizes", type=positive_int, nargs="+", default=SIZES)
     parser.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES)
     parser.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS)
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     parser.add_argument("--backends", nargs="+", default=[], help="time only these (and auto)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed rounds (median)")
+    parser.add_argument("--warmup", type=natural_int, default=1, help="untimed rounds first")
     parser.add_argument(
         "--confirm",
-        type=int,
+        type=natural_int,
         default=6,
         help="more rounds of auto and the fastest where auto's median is over 5 %% above it",
     )
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-dense-gb", type=float, default=6.0, help="skip bigger dense routes")
+    parser.add_argument("--threads", type=thread_count, default=2)
+    parser.add_argument(
+        "--max-dense-gb", type=positive_float, default=6.0, help="skip bigger dense routes"
+    )
     parser.add_argument(
         "--no-calibrate", action="store_true", help="keep auto's measurements as they are"
     )
@@ -294,9 +297,13 @@ def main(argv: list[str] | None = None) -> int:
         "--tables", nargs="+", metavar="JSON", help="render rows saved by --json runs, no timing"
     )
     parser.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks.md")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
+    parser.add_argument("--timeout", type=time_limit, default=1800, help="seconds per subprocess")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.worker:
         print(json.dumps(cell(json.loads(args.worker))))
         return 0

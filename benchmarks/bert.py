@@ -31,7 +31,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import environment, write_section
+from _report import environment, positive_int, write_section
 
 from attnkit._progress import progress  # a bar when stderr is a terminal
 
@@ -80,12 +80,16 @@ def interleaved(
     return {name: statistics.median(ts) for name, ts in totals.items()}
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=7)
+    parser.add_argument("--batch-size", type=positive_int, default=32)
     parser.add_argument("--no-write", action="store_true", help="print only")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(2)
 
     import transformers

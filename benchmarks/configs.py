@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import environment, write_section
+from _report import environment, positive_int, thread_count, write_section
 
 from attnkit._progress import progress  # a bar when stderr is a terminal
 
@@ -146,15 +146,22 @@ def _reading(name: str, rows: list[dict]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller, faster sweep")
     parser.add_argument("--no-write", action="store_true", help="print only")
-    parser.add_argument("--threads", type=int, default=2, help="1 on a busy machine")
+    parser.add_argument("--threads", type=thread_count, default=2, help="1 on a busy machine")
     parser.add_argument(
-        "--text-epochs", type=int, default=None, help="text epochs (default 3; 1 with --quick)"
+        "--text-epochs",
+        type=positive_int,
+        default=None,
+        help="text epochs (default 3; 1 with --quick)",
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     seeds = [0] if args.quick else [0, 1, 2]
     text_epochs, limit = (1, 2000) if args.quick else (3, None)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import environment, write_section
+from _report import environment, positive_int, write_section
 
 from attnkit._progress import progress  # a bar when stderr is a terminal
 from attnkit.viz.explorer import ERROR_BOUND, AttentionExplorer, page_weights
@@ -83,12 +83,16 @@ def _float32_b64_bytes(att: torch.Tensor) -> int:
     return 4 * math.ceil(4 * floats / 3)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--no-model", action="store_true", help="leave out the MiniLM row")
     parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     from playwright.sync_api import sync_playwright
 
     gen = torch.Generator().manual_seed(0)

@@ -42,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
 import _report
+from _report import positive_float, positive_int, thread_count, time_limit
 
 from attnkit._progress import progress  # a bar when stderr is a terminal
 
@@ -244,24 +245,31 @@ def compiled_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="n = 512, 1024, float32, 1 round")
-    parser.add_argument("--n", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--n", type=positive_int, nargs="*", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--scenarios", nargs="*", default=SCENARIOS, choices=SCENARIOS)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--threads", type=thread_count, default=2)
     parser.add_argument("--compiled", action="store_true", help="add torch's compiled forward")
     parser.add_argument("--routes", nargs="*", default=ROUTES, choices=ROUTES,
                         help="attnkit's and the dense route (default both)")  # fmt: skip
     parser.add_argument("--modes", nargs="*", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     parser.add_argument("--no-memory", action="store_true", help="skip the memory runs")
-    parser.add_argument("--max-dense-gb", type=float, default=6.0)
-    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--max-dense-gb", type=positive_float, default=6.0)
+    parser.add_argument("--timeout", type=time_limit, default=3600)
     parser.add_argument("--write", action="store_true", help="write docs/benchmarks.md")
     args = parser.parse_args(argv)
+    if not (args.n or args.quick or args.worker):
+        parser.error("argument --n: expected at least one length")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0

@@ -46,7 +46,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
-from _report import CHARTS, environment, status_kib, write_chart, write_section
+from _report import (
+    CHARTS,
+    environment,
+    positive_int,
+    status_kib,
+    thread_count,
+    write_chart,
+    write_section,
+)
 
 from attnkit._progress import progress  # a bar when stderr is a terminal
 
@@ -286,16 +294,23 @@ def memory(library: str, threads: int, ids: list[int]) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="n = 16, 256; 2 threads; print only")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, nargs="*", default=[2, 1])
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--threads", type=thread_count, nargs="*", default=[2, 1])
     parser.add_argument("--libraries", nargs="*", default=list(LIBRARIES), choices=LIBRARIES)
     parser.add_argument("--no-agreement", action="store_true", help="skip the agreement checks")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not (args.threads or args.quick or args.memory_child):
+        parser.error("argument --threads: expected at least one thread count")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.memory_child:
         library, threads, ids = args.memory_child
         memory_child(library, int(threads), json.loads(ids))

@@ -42,6 +42,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
+from _report import natural_float, positive_int, thread_count
+
 from attnkit._progress import progress  # a bar when stderr is a terminal
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, MLP, WINDOW, VOCAB = 6, 512, 8, 2, 1408, 1024, 1000
@@ -241,16 +243,20 @@ def verdicts(rows: list[dict]) -> list[str]:
     return out
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--max-eager-gib", type=float, default=6.0)
+    parser.add_argument("--n", type=positive_int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--repeats", type=positive_int, default=1)
+    parser.add_argument("--threads", type=thread_count, default=os.cpu_count() or 1)
+    parser.add_argument("--max-eager-gib", type=natural_float, default=6.0)
     parser.add_argument("--quick", action="store_true", help="n = 256, 512; nothing written")
     parser.add_argument("--no-write", action="store_true", help="print, do not write the doc")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.worker:
         job = json.loads(args.worker)
         print(json.dumps(worker(job["kind"], job["n"], job["implementation"])))

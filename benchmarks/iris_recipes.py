@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import environment, write_section
+from _report import environment, natural_int, thread_count, write_section
 
 # name -> (changes to IRIS_TRAIN, changes to TabularConfig)
 RECIPES: dict[str, tuple[dict, dict]] = {
@@ -88,12 +88,16 @@ def _groups(errors: list[int], n_test: int) -> str:
     return f"{sum(_accuracy(g, n_test) >= 96 for g in groups)} of {len(groups)}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(60)))
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seeds", type=natural_int, nargs="+", default=list(range(60)))
+    parser.add_argument("--workers", type=thread_count, default=2)
     parser.add_argument("--no-write", action="store_true", help="print only")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     import torch
 
     torch.set_num_threads(1)  # as in each worker (tiny tensors: one thread is fastest)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import environment, write_section
+from _report import environment, natural_int, thread_count, write_section
 
 TASKS = ["vit", "translate", "forecast"]
 METRIC = {"vit": "test_accuracy", "translate": "exact_match", "forecast": "mae"}
@@ -106,13 +106,17 @@ def render(rows: list[dict], command: str, threads: int, elapsed: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1)")
+    parser.add_argument("--seeds", type=natural_int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--threads", type=thread_count, default=1, help="torch threads per run (1)")
     parser.add_argument("--no-write", action="store_true", help="print only")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     command = " ".join(
         ["python benchmarks/learn.py", *(argv if argv is not None else sys.argv[1:])]
     )

@@ -47,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
 import _report
+from _report import positive_int, thread_count, time_limit
 
 EXPERIMENTS = {
     "delta": (["attnkit chunked", "transformers chunked"], [1024, 2048, 4096, 8192]),
@@ -254,21 +255,27 @@ def verdicts(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="n = 128, 256, float32, 1 round")
     parser.add_argument("--experiments", nargs="*", default=list(EXPERIMENTS),
                         choices=list(EXPERIMENTS))  # fmt: skip
-    parser.add_argument("--n", type=int, nargs="*", help="lengths (default per experiment)")
+    parser.add_argument(
+        "--n", type=positive_int, nargs="*", help="lengths (default per experiment)"
+    )
     parser.add_argument("--dtypes", nargs="*", default=DTYPES, choices=DTYPES)
     parser.add_argument("--modes", nargs="*", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--threads", type=thread_count, default=2)
     parser.add_argument("--no-memory", action="store_true", help="skip the memory runs")
-    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--timeout", type=time_limit, default=3600)
     parser.add_argument("--write", action="store_true", help="write docs/benchmarks.md")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0

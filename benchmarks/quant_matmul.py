@@ -33,10 +33,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run from anywhere
+from _report import natural_int, thread_count
 
 DECODE = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 PREFILL = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]
@@ -140,16 +145,20 @@ def against_linear(kernel, args: argparse.Namespace) -> None:
             )
 
 
-def main() -> None:
-    from attnkit.backends.fused import jit
-
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeats", type=int, default=0, help="0: by size")
+    parser.add_argument("--threads", type=thread_count, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=natural_int, default=0, help="0: by size")
     parser.add_argument("--quick", action="store_true", help="decoding shapes only")
     parser.add_argument("--cold", action="store_true", help="W read from memory every call")
     parser.add_argument("--memory", action="store_true", help="qmatmul alone, W warm and cold")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from attnkit.backends.fused import jit
+
     kernel = jit.build()
     print(f"torch {torch.__version__}, CPU class {jit.capability()}")
     before = torch.get_num_threads()

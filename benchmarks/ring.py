@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import status_kib
+from _report import natural_int, positive_int, status_kib, thread_count
 
 from attnkit._progress import progress  # a bar when stderr is a terminal
 
@@ -177,22 +177,32 @@ def _markdown(rows: list[dict], args: argparse.Namespace, command: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--n", type=int, nargs="+", default=[16384, 32768, 65536])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--n", type=positive_int, nargs="+", default=[16384, 32768, 65536])
+    parser.add_argument("--worlds", type=thread_count, nargs="+", default=[2, 4])
+    parser.add_argument("--batch", type=positive_int, default=1)
+    parser.add_argument("--heads", type=positive_int, default=2)
+    parser.add_argument("--dim", type=positive_int, default=64)
     parser.add_argument("--layout", choices=["contiguous", "zigzag"], default="zigzag")
     parser.add_argument("--baseline", default="tiled", help="single-process backend")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--cores", type=int, default=2, help="cores shared by the processes")
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--warmup", type=natural_int, default=1)
+    parser.add_argument(
+        "--cores", type=thread_count, default=2, help="cores shared by the processes"
+    )
     parser.add_argument("--no-write", action="store_true", help="print, do not write the doc")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if min(args.worlds) < 2:
-        parser.error("--worlds: the ring needs at least 2 processes (1 is the baseline)")
+        parser.error(
+            f"argument --worlds: {min(args.worlds)} is too few: the ring needs at least 2 "
+            "processes (1 is the baseline)"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     args.worlds = sorted(set(args.worlds))
     args.load = os.getloadavg()[0]
 
@@ -210,7 +220,7 @@ def main() -> None:
             start_method="spawn",
         )
         rows = json.loads(Path(path).read_text())
-    command = "python benchmarks/ring.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/ring.py " + " ".join(argv if argv is not None else sys.argv[1:])
     md = _markdown(rows, args, command.strip())
     print(md)
     if not args.no_write:

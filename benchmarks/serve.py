@@ -56,7 +56,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report, when run fr
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's attnkit
 
 import requests
-from _report import CHARTS, cpu, environment, write_chart, write_section
+from _report import (
+    CHARTS,
+    cpu,
+    environment,
+    port_number,
+    positive_int,
+    thread_count,
+    write_chart,
+    write_section,
+)
 
 EOS = 2  # SmolLM2's <|im_end|>
 
@@ -466,22 +475,30 @@ def command(args: argparse.Namespace) -> str:
     return " ".join([*words, "--write"])
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
-    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens (64)")
-    parser.add_argument("--new", type=int, default=128, help="tokens per request (128)")
-    parser.add_argument("--system", type=int, default=1000, help="cached system prompt (1,000)")
-    parser.add_argument("--rounds", type=int, default=5, help="prefix-cache requests (5)")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of each load (3)")
-    parser.add_argument("--threads", type=int, default=2, help="threads of each server (2)")
-    parser.add_argument("--kv-blocks", type=int, default=1024, help="attnkit's KV blocks (1,024)")
+    parser.add_argument("--clients", type=positive_int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--prompt", type=positive_int, default=64, help="prompt tokens (64)")
+    parser.add_argument("--new", type=positive_int, default=128, help="tokens per request (128)")
+    parser.add_argument(
+        "--system", type=positive_int, default=1000, help="cached system prompt (1,000)"
+    )
+    parser.add_argument("--rounds", type=positive_int, default=5, help="prefix-cache requests (5)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="rounds of each load (3)")
+    parser.add_argument(
+        "--threads", type=thread_count, default=2, help="threads of each server (2)"
+    )
+    parser.add_argument(
+        "--kv-blocks", type=positive_int, default=1024, help="attnkit's KV blocks (1,024)"
+    )
     parser.add_argument(
         "--kv-dtype",
         default="float16",
         help="attnkit's KV cache: float16 (the server's default), bfloat16 or float32",
     )
-    parser.add_argument("--port", type=int, default=8317, help="attnkit's port; llama.cpp +1")
+    parser.add_argument(
+        "--port", type=port_number, default=8317, help="attnkit's port; llama.cpp +1"
+    )
     parser.add_argument("--no-llama-cpp", action="store_true", help="attnkit only")
     parser.add_argument("--quick", action="store_true", help="1 and 2 clients, tiny; print only")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
@@ -497,11 +514,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.clients, args.prompt, args.new, args.system, args.rounds = [1, 2], 8, 8, 64, 2
         args.kv_blocks, args.repeats = 64, 1
-    if (
-        min(args.clients) < 1
-        or min(args.prompt, args.new, args.system, args.rounds, args.repeats) < 1
-    ):
-        parser.error("--clients, --prompt, --new, --system, --rounds and --repeats must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = measure(args)
     markdown = report(out, args)
     print(markdown)

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import cpu, environment, write_section
+from _report import cpu, environment, positive_int, write_section
 
 from attnkit._progress import progress
 
@@ -85,13 +85,17 @@ def report(medians: dict[str, float], rounds: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    parser.add_argument(
+        "--rounds", type=positive_int, default=7, help="interleaved rounds (default 7)"
+    )
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
-    args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     markdown = report(measure(args.rounds), args.rounds)
     print(markdown)
     if args.write:

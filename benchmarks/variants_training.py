@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import environment, write_section
+from _report import environment, positive_int, write_section
 
 from attnkit import TransformerConfig, TransformerDecoder, TransformerEncoder
 from attnkit._io import atomic_write_text
@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "variants_training.json"
 PAGE = ROOT / "docs" / "concepts" / "variants.md"
 VOCAB, LENGTH, BATCH = 11, 10, 64
+STEPS = 800  # the recorded runs' steps: another --steps writes nothing
 BASE = TransformerConfig(
     embed_dim=32, num_heads=4, num_layers=2, vocab_size=VOCAB, ffn_dim=64, positional="rope"
 )
@@ -137,14 +138,18 @@ def table(runs: list[dict], steps: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--steps", type=positive_int, default=STEPS)
     parser.add_argument("--only", nargs="*", choices=sorted(RUNS), help="a subset (writes nothing)")
     parser.add_argument(
         "--table-only", action="store_true", help="rewrite the table from the results file"
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(1)  # tiny matrices: one thread wastes no time synchronising
     if args.table_only:
         results = json.loads(RESULTS.read_text(encoding="utf-8"))
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             f"symbols {r['symbol_accuracy']:.1%}  exact {r['exact']:.1%}  {r['seconds']:.0f} s",
             flush=True,
         )
-    if args.only or args.steps != parser.get_default("steps"):
+    if args.only or args.steps != STEPS:
         return 0
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(RESULTS, json.dumps({"steps": args.steps, "runs": runs}) + "\n")
