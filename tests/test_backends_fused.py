@@ -9,6 +9,7 @@ folder): the first run of this file compiles it (about a minute), later runs loa
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import pytest
@@ -348,3 +349,36 @@ def test_the_build_is_cached_by_source_flags_and_torch(tmp_path, monkeypatch) ->
     for name in jit.SOURCES:
         (tmp_path / name).write_bytes((Path(jit.__file__).parent / name).read_bytes())
     assert jit.build_key() != flagged
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"), reason="x86's FTZ/DAZ float mode"
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_subnormal_weights_are_zero_inside_the_kernel_and_the_thread_keeps_its_mode(
+    threads: int,
+) -> None:
+    """A weight exp2(s - m) below 2^-126 is zero in the kernel (forward and backward), where
+    torch's math keeps it as a subnormal; the calling thread's own float mode is untouched."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # Key 1 scores 130 below key 0 in base 2: its weight is 2^-130, its value 2^100.
+        q = torch.zeros(1, 1, 1, 4)
+        q[..., 0] = 1.0
+        k = torch.zeros(1, 1, 2, 4)
+        k[0, 0, 1, 0] = -130.0 * torch.log(torch.tensor(2.0))
+        v = torch.zeros(1, 1, 2, 4)
+        v[0, 0, 1] = 2.0**100
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = scaled_dot_product_attention(*leaves, scale=1.0, backend="fused")
+        want = scaled_dot_product_attention(q, k, v, scale=1.0, backend="math")
+        assert float(want[0, 0, 0, 0]) == pytest.approx(2.0**-30, rel=1e-3)  # IEEE: subnormal
+        assert float(out.detach()[0, 0, 0, 0]) == 0.0  # the kernel: zero
+        out.sum().backward()
+        assert leaves[2].grad[0, 0, 1].eq(0).all()  # dv of key 1 = its weight: zero too
+        assert torch.isfinite(leaves[1].grad).all()
+        tiny = torch.tensor([2.0**-130])
+        assert float(tiny * 1.0) == 2.0**-130  # this thread still computes subnormals
+    finally:
+        torch.set_num_threads(before)

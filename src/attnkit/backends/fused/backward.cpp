@@ -39,6 +39,7 @@ void backward_kernel(const Spec<acc_t>& sp, const Tensor& k, const Tensor& v, co
 
   at::parallel_for(0, sp.nb * sp.h, 1, [&](int64_t begin, int64_t end) {
     note_thread();
+    const SubnormalsAsZero subnormals;
     const int64_t bk = sp.block_k + 1, bq = sp.block_q + 1;
     std::vector<acc_t> s(bk * bq), dp(bk * bq);
     std::vector<scalar_t> p_op(packed ? bk * bq : 0), ds_op(packed ? bk * bq : 0);

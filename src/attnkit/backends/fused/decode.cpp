@@ -124,6 +124,7 @@ void decode_kernel(const Problem& pr, const Tensor& key, const Tensor& value, fl
   }
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     note_thread();
+    const SubnormalsAsZero subnormals;
     Floats q_rows(g * d_p), s(g * TILE), m(g), l(g), acc(g * d_p);
     Floats k_t(d_p * TILE), square(SQUARE * d_p);
     for (int64_t task = begin; task < end; task++) {
@@ -150,6 +151,7 @@ void decode_kernel(const Problem& pr, const Tensor& key, const Tensor& value, fl
   // Merge (flash-decoding's reduction): m = max_c m_c, l = sum_c l_c 2^(m_c - m),
   // acc = sum_c acc_c 2^(m_c - m); then finish as one state.
   at::parallel_for(0, pr.nb * pr.h, 16, [&](int64_t begin, int64_t end) {
+    const SubnormalsAsZero subnormals;
     Floats acc(d_p);
     for (int64_t row = begin; row < end; row++) {
       const int64_t b = row / pr.h, h = row % pr.h, hk = h / g, r = h % g;

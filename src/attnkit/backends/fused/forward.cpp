@@ -54,6 +54,7 @@ void forward_kernel(const Spec<acc_t>& sp, const Tensor& q, const Tensor& k_t, c
 
   at::parallel_for(0, sp.nb * sp.h * nqb, 1, [&](int64_t begin, int64_t end) {
     note_thread();
+    const SubnormalsAsZero subnormals;
     const int64_t bq = sp.block_q, bk = sp.block_k + 1;
     std::vector<acc_t> s(bq * bk), acc(bq * dv_p), m(bq), l(bq);
     std::vector<scalar_t> p_op(packed ? bq * (bk + 1) : 0);

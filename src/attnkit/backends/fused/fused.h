@@ -15,6 +15,10 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 
+#if defined(__SSE2__)
+#include <xmmintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <bitset>
@@ -46,6 +50,30 @@ inline void note_thread() {
 inline int64_t threads_used() {
   return static_cast<int64_t>(std::bitset<64>(threads_seen.load()).count());
 }
+
+// Subnormal floats (below 2^-126) read and written as zero inside an attention kernel's
+// parallel region, and the thread's own mode restored after it (its other work keeps IEEE
+// subnormals). A weight exp2(s - m) that far below the row's largest (1) is far below
+// float32's rounding of the row sum, so outputs move by at most that; but Intel cores take a
+// slow microcode assist for every subnormal result or operand, and a bias that spreads a row's
+// scores (ALiBi's steep heads) made the forward up to twice as slow there
+// (docs/benchmarks.md, "auto on Intel Xeon with AMX"). The x86 SSE control register's FTZ
+// and DAZ bits; elsewhere nothing changes.
+class SubnormalsAsZero {
+ public:
+#if defined(__SSE2__)
+  SubnormalsAsZero() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | FTZ_DAZ); }
+  ~SubnormalsAsZero() { _mm_setcsr(saved_); }
+#endif
+  SubnormalsAsZero(const SubnormalsAsZero&) = delete;
+  SubnormalsAsZero& operator=(const SubnormalsAsZero&) = delete;
+
+ private:
+#if defined(__SSE2__)
+  static constexpr unsigned int FTZ_DAZ = 0x8040;  // flush to zero (bit 15), denormals are zero (bit 6)
+  unsigned int saved_;
+#endif
+};
 
 // An allocator of whole cache lines: std::vector's own buffers are aligned to 16 bytes, so a
 // row of 16 floats that starts a multiple of 64 bytes into one straddles two lines, and every

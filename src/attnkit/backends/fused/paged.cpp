@@ -319,6 +319,7 @@ void paged_kernel(const Problem& pr, const std::vector<Item>& items,
   }
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     note_thread();
+    const SubnormalsAsZero subnormals;
     Scratch w(pr);
     Floats m(rows_max), l(rows_max), acc(rows_max * d_p);
     Stream<kv_t> stream{pr, items, tasks, k_pool, v_pool, begin, end, tasks[begin].j0};
@@ -347,6 +348,7 @@ void paged_kernel(const Problem& pr, const std::vector<Item>& items,
     for (int64_t x = 0; x < (items[i].q1 - items[i].q0) * g; x++) merges.emplace_back(i, x);
   }
   at::parallel_for(0, static_cast<int64_t>(merges.size()), 16, [&](int64_t begin, int64_t end) {
+    const SubnormalsAsZero subnormals;
     Floats acc(d_p);
     for (int64_t u = begin; u < end; u++) {
       const auto [i, x] = merges[u];
