@@ -215,8 +215,15 @@ def summarise(job: dict, result: dict) -> list[dict]:
     return rows
 
 
-def render(rows: list[dict], command: str, elapsed: float, repeats: int, threads: int = 2) -> str:
-    from _report import environment
+def render(
+    rows: list[dict],
+    command: str,
+    elapsed: float,
+    repeats: int,
+    threads: int = 2,
+    cpu_in_title: bool = False,
+) -> str:
+    from _report import cpu, environment
 
     ratios = [r["auto_s"] / r["fastest_s"] for r in rows]
     within = sum(x <= 1.10 for x in ratios)
@@ -226,8 +233,8 @@ def render(rows: list[dict], command: str, elapsed: float, repeats: int, threads
     over = [r for r in rows if r["materialised"] and r["materialised"] > r["budget"]]
     confirmed = sum(bool(r.get("confirmed")) for r in rows)
     lines = [
-        f"## auto: the chosen route against the fastest, {threads} thread"
-        + ("s" if threads > 1 else ""),
+        f"## auto{' on ' + cpu() if cpu_in_title else ''}: the chosen route against the "
+        f"fastest, {threads} thread" + ("s" if threads > 1 else ""),
         "",
         f"Command: {command} ({elapsed / 60:.1f} min). {environment()}; "
         "h=8, d=64; b = 4 up to n = 1024, 2 at 2048, 1 "
@@ -297,9 +304,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tables", nargs="+", metavar="JSON", help="render rows saved by --json runs, no timing"
     )
     parser.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks.md")
+    parser.add_argument(
+        "--section",
+        help="the section of docs/benchmarks.md to write (default: auto, or auto-N-thread for "
+        "--threads N); another name titles it with the CPU, e.g. auto-amx for one CPU class",
+    )
     parser.add_argument("--timeout", type=time_limit, default=1800, help="seconds per subprocess")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.section is not None and not args.section.replace("-", "").isalnum():
+        parser.error(f"--section must be letters, digits and '-', got {args.section!r}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,16 +330,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)  # the environment line names the grid's thread count
     rows: list[dict] = []
     started = time.time()
-    section = "auto" if args.threads == 2 else f"auto-{args.threads}-thread"
+    default = "auto" if args.threads == 2 else f"auto-{args.threads}-thread"
+    section = args.section or default
+    titled = section != default  # another section: its title names the CPU
     calibrated = "" if args.no_calibrate or args.tables else calibrate(args.threads, args.dtypes)
     if args.tables:
         saved = [json.loads(Path(f).read_text()) for f in args.tables]
         rows = [r for part in saved for r in part["rows"]]
         command = " and ".join(f"`{part['command']}`" for part in saved)
         calibrated = " ".join(part.get("calibrated", "") for part in saved)
-        md = render(
-            rows, command, sum(part["elapsed"] for part in saved), args.repeats, args.threads
-        )
+        elapsed = sum(part["elapsed"] for part in saved)
+        md = render(rows, command, elapsed, args.repeats, args.threads, titled)
         md = md.replace("\n\n", f"\n\n{calibrated}\n\n", 1) if calibrated else md
         print(md)
         if not args.no_write:
@@ -363,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         saved = {"command": command, "elapsed": elapsed, "rows": rows, "calibrated": calibrated}
         Path(args.json).write_text(json.dumps(saved, indent=1))
-    md = render(rows, f"`{command}`", elapsed, args.repeats, args.threads)
+    md = render(rows, f"`{command}`", elapsed, args.repeats, args.threads, titled)
     md = md.replace("\n\n", f"\n\n{calibrated}\n\n", 1) if calibrated else md
     print(md)
     if not args.no_write:

@@ -162,3 +162,28 @@ def test_without_measurements_auto_follows_the_priority_list(machine) -> None:
         assert (out.double() - ref).abs().max() < 1e-5
     call = make_call(q, q, q, mask=torch.ones(256, 256, dtype=torch.bool))
     assert cost.estimate("torch", call).seconds == 1.0  # a mask tensor is read as it is
+
+
+@pytest.mark.parametrize("pair_factor", [0.1, 0.5, 3.0, 0.0])
+def test_the_fit_finds_the_per_pair_cost_apart_from_the_matmuls(pair_factor: float) -> None:
+    """Elementwise work per pair need not scale with the matmuls from one CPU class to another
+    (a window's cut tiles cost far less, relative to the matmuls, on Intel Xeon than on AMD
+    EPYC): with the pairs pair_factor x the reference's and the matmuls twice as fast, each
+    constant is fitted back, also with a call slowed fivefold by other work."""
+    ref = rates.Rates(call=2e-4, tile=5e-5, gflops=120.0, pair=3e-9)
+    true = rates.Rates(call=6e-4, tile=1.5e-4, gflops=240.0, pair=3e-9 * pair_factor)
+    found = []
+    # Calls without per-pair work in the majority, as in the calibration's configs.
+    shapes = [(1, 256, 0), (16, 1e6, 0), (64, 8e6, 0), (40, 4e6, 4e6), (8, 2e5, 2e5)]
+    shapes += [(100, 3e7, 0), (30, 6e6, 6e6), (50, 2e7, 0), (20, 4e6, 0)]
+    for tiles, pairs, extra in shapes:
+        terms = cost.Terms(tiles=tiles, pairs=pairs, extra=extra, ops=0)
+        seconds = true.call + true.tile * tiles + pairs * 256 / (true.gflops * 1e9)
+        seconds += true.pair * extra
+        found.append({"backend": "b", "mode": "fwd", "terms": terms, "d": 64, "seconds": seconds})
+    slowed = dict(found[2], seconds=found[2]["seconds"] * 5)
+    for calls in (found, [*found, slowed]):
+        got = calibration.fit(calls, 1e-9, {("b", "fwd"): ref})[("b", "fwd")]
+        for name in ("call", "tile", "gflops"):
+            assert getattr(got, name) == pytest.approx(getattr(true, name), rel=1e-6), name
+        assert got.pair == pytest.approx(true.pair, rel=1e-6, abs=1e-15)

@@ -7,6 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from attnkit import masks, scaled_dot_product_attention
@@ -65,3 +66,17 @@ def test_summary_finds_the_fastest_backend_and_the_table_counts_cells_within_ten
     table = bench.render(good + bad, "`cmd`", 60.0, 3)
     assert "auto within 10 % of the fastest in 1 of 2 cells (worst 1.25x)" in table
     assert "| 512 | float32 | plain | fwd | torch | 10.0 | tiled |" in table
+    assert table.startswith("## auto: the chosen route against the fastest, 2 threads\n")
+    titled = bench.render(good, "`cmd`", 60.0, 3, threads=1, cpu_in_title=True)
+    from _report import cpu
+
+    assert titled.startswith(
+        f"## auto on {cpu()}: the chosen route against the fastest, 1 thread\n"
+    )
+
+
+def test_a_section_of_its_own_is_named_with_letters_digits_and_dashes() -> None:
+    assert bench.parse_args(["--section", "auto-amx"]).section == "auto-amx"
+    with pytest.raises(SystemExit) as stop:
+        bench.parse_args(["--section", "../x"])
+    assert stop.value.code == 2

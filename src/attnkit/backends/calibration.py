@@ -200,18 +200,22 @@ def fit(
     found: list[dict], eval_s: float, reference: dict[tuple[str, str], rates.Rates]
 ) -> dict[tuple[str, str], rates.Rates]:
     """Each backend's and pass's ``Rates``: the reference table's row scaled to this machine
-    by two factors, one for the fixed costs (per call, per tile: Python and dispatch) and one
+    by three factors: one for the fixed costs (per call, per tile: Python and dispatch), one
     for the throughput (FLOPs and elementwise work: the cores, the vector units, the thread
-    count). Each factor is a median over the calls the reference says it dominates (more than
-    half of their predicted time), so one call slowed by other work on the machine cannot
-    move it; a factor no call pins takes the other's value. The reference (measured at length
-    on a quiet machine) keeps the balance between the four constants. A backend the reference
-    lacks is fitted on all four constants by non-negative least squares."""
+    count), and one for the per-pair work of masks, biases and a window's cut tiles, which
+    need not keep the reference's proportion to the matmuls on another CPU class (on Intel
+    Xeon a window's cut tiles cost the fused kernel about a fifth of what the reference,
+    measured on AMD EPYC, says). The first two are medians over the calls the reference says
+    they dominate (more than half of their predicted time), so one call slowed by other work
+    on the machine cannot move them; the third a median over the calls with much per-pair work
+    (``_factors``). The reference (measured at length on a quiet machine) keeps the balance
+    within each part. A backend the reference lacks is fitted on all four constants by
+    non-negative least squares."""
     table = {}
     for backend, mode in sorted({(f["backend"], f["mode"]) for f in found}):
         rows = [f for f in found if f["backend"] == backend and f["mode"] == mode]
         ref = reference.get((backend, mode))
-        parts = []  # (fixed, throughput, measured) per call, in seconds
+        parts = []  # (fixed, matmuls, per pair, measured) per call, in seconds
         a, y = [], []
         for f in rows:
             t = f["terms"]
@@ -221,27 +225,45 @@ def fit(
             y.append(1.0)
             if ref is not None:
                 fixed = ref.call + ref.tile * t.tiles
-                parts.append((fixed, flops / ref.gflops + ref.pair * t.extra, measured))
+                parts.append((fixed, flops / ref.gflops, ref.pair * t.extra, measured))
         if ref is None:
             call, tile, per_gflop, pair = _nnls(a, y)
             gflops = 1.0 / per_gflop if per_gflop else 1e6
             table[(backend, mode)] = rates.Rates(call, tile, gflops, pair)
             continue
-        fixed_f, throughput_f = 0.0, 0.0
-        for _ in range(4):  # each factor net of the other's share, alternately
-            fixed = [(m - throughput_f * th) / fx for fx, th, m in parts if fx > th]
-            fixed_f = _median([x for x in fixed if x > 0]) or fixed_f
-            rest = [(m - fixed_f * fx) / th for fx, th, m in parts if th >= fx and th > 0]
-            throughput_f = _median([x for x in rest if x > 0]) or throughput_f
-        fixed_f = fixed_f or throughput_f or 1.0
-        throughput_f = throughput_f or fixed_f
+        fixed_f, matmul_f, pair_f = _factors(parts)
         table[(backend, mode)] = rates.Rates(
-            ref.call * fixed_f,
-            ref.tile * fixed_f,
-            ref.gflops / throughput_f,
-            ref.pair * throughput_f,
+            ref.call * fixed_f, ref.tile * fixed_f, ref.gflops / matmul_f, ref.pair * pair_f
         )
     return table
+
+
+def _factors(parts: list[tuple[float, float, float, float]]) -> tuple[float, float, float]:
+    """The fixed-cost, matmul and per-pair factors of ``fit`` from (fixed, matmuls, per pair,
+    measured) seconds per call. The first two alternate, each net of the other's share: the
+    fixed costs over the calls they dominate, the throughput over the rest (matmuls and
+    per-pair work together, as the reference balances them). Then the per-pair factor is
+    what the calls whose per-pair part is at least a quarter of their matmuls' took beyond
+    the other two parts (a negative remainder counts as 0: the pairs were free); with no
+    such call it is the throughput's."""
+    fixed_f, throughput_f = 0.0, 0.0
+    for _ in range(4):  # each factor net of the other's share, alternately
+        fixed = [(m - throughput_f * (mm + pp)) / fx for fx, mm, pp, m in parts if fx > mm + pp]
+        fixed_f = _median([x for x in fixed if x > 0]) or fixed_f
+        rest = [
+            (m - fixed_f * fx) / (mm + pp)
+            for fx, mm, pp, m in parts
+            if mm + pp >= fx and mm + pp > 0
+        ]
+        throughput_f = _median([x for x in rest if x > 0]) or throughput_f
+    fixed_f = fixed_f or throughput_f or 1.0
+    throughput_f = throughput_f or fixed_f
+    per_pair = [
+        max(0.0, (m - fixed_f * fx - throughput_f * mm) / pp)
+        for fx, mm, pp, m in parts
+        if pp >= mm / 4 and mm + pp > fx and pp > 0
+    ]
+    return fixed_f, throughput_f, _median(per_pair) if per_pair else throughput_f
 
 
 def _median(values: list[float]) -> float | None:

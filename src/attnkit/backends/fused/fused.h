@@ -57,7 +57,7 @@ inline int64_t threads_used() {
 // float32's rounding of the row sum, so outputs move by at most that; but Intel cores take a
 // slow microcode assist for every subnormal result or operand, and a bias that spreads a row's
 // scores (ALiBi's steep heads) made the forward up to twice as slow there
-// (docs/benchmarks.md, "auto on Intel Xeon with AMX"). The x86 SSE control register's FTZ
+// (docs/benchmarks.md, section auto-amx). The x86 SSE control register's FTZ
 // and DAZ bits; elsewhere nothing changes.
 class SubnormalsAsZero {
  public:
