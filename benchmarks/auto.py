@@ -52,6 +52,9 @@ MODES = ["fwd", "fwdbwd"]
 DENSE_BYTES = {"math": 16.0, "chunked": 0.0}
 
 
+MORE = "<!-- more -->\n\n"  # what comes after it is on the log page only
+
+
 def batch_for(n: int) -> int:
     return max(1, min(4, 4096 // n))
 
@@ -236,6 +239,13 @@ def render(
         f"## auto{' on ' + cpu() if cpu_in_title else ''}: the chosen route against the "
         f"fastest, {threads} thread" + ("s" if threads > 1 else ""),
         "",
+        f"auto within 10 % of the fastest in {within} of {len(rows)} cells (worst "
+        f"{max(ratios):.2f}x); the backend it chose within 10 % of the fastest, in the same "
+        f"rounds, in {chosen_within} of {len(rows)}; auto's built masks and biases above the "
+        f"1 GiB budget in {len(over)} cells.",
+        "",
+        "<!-- more -->",  # the page shows the lines above; the grid is on the log page
+        "",
         f"Command: {command} ({elapsed / 60:.1f} min). {environment()}; "
         "h=8, d=64; b = 4 up to n = 1024, 2 at 2048, 1 "
         f"from 4096. Each cell is a fresh process that interleaves, round by round, every "
@@ -247,13 +257,6 @@ def render(
         "includes its dispatch and is measured in the same rounds "
         "as the backend it picks (`chosen ms`), so auto / fastest above 1 with auto on the "
         "fastest backend is noise between two runs of the same code.",
-        "",
-        f"auto within 10 % of the fastest in {within} of {len(rows)} cells (worst "
-        f"{max(ratios):.2f}x); the backend it chose within 10 % of the fastest, in the same "
-        f"rounds, in {chosen_within} of {len(rows)}; auto's built masks and biases above the "
-        f"1 GiB budget in {len(over)} cells.",
-        "",
-        "<!-- more -->",  # the page shows the lines above; the grid is on the log page
         "",
         "| n | dtype | call | pass | fastest | fastest ms | auto takes | chosen ms | auto ms "
         "| auto / fastest | auto builds MiB | auto peak MiB | others (ms) |",
@@ -341,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         calibrated = " ".join(part.get("calibrated", "") for part in saved)
         elapsed = sum(part["elapsed"] for part in saved)
         md = render(rows, command, elapsed, args.repeats, args.threads, titled)
-        md = md.replace("\n\n", f"\n\n{calibrated}\n\n", 1) if calibrated else md
+        md = md.replace(MORE, f"{MORE}{calibrated}\n\n", 1) if calibrated else md
         print(md)
         if not args.no_write:
             from _report import write_section
@@ -380,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         saved = {"command": command, "elapsed": elapsed, "rows": rows, "calibrated": calibrated}
         Path(args.json).write_text(json.dumps(saved, indent=1))
     md = render(rows, f"`{command}`", elapsed, args.repeats, args.threads, titled)
-    md = md.replace("\n\n", f"\n\n{calibrated}\n\n", 1) if calibrated else md
+    md = md.replace(MORE, f"{MORE}{calibrated}\n\n", 1) if calibrated else md
     print(md)
     if not args.no_write:
         from _report import write_section
