@@ -43,6 +43,7 @@ CONFIGS = [
     ("torch", (1, 8, 1024, 1024, 64), "plain"),
     ("torch", (1, 4, 768, 768, 128), "plain"),
     ("torch", (1, 4, 2048, 2048, 64), "plain"),
+    ("torch", (1, 8, 2048, 2048, 64), "plain"),
     ("torch", (1, 4, 768, 768, 64), "bias tensor"),
     ("torch", (1, 8, 384, 384, 64), "document"),
     ("tiled", (1, 8, 1, 256, 64), "plain"),
