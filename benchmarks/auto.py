@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import statistics
 import sys
@@ -218,6 +219,11 @@ def summarise(job: dict, result: dict) -> list[dict]:
     return rows
 
 
+def short_cpu(name: str) -> str:
+    """A CPU's name without trademarks and filler, for a heading: "Intel Xeon (..., with AMX)"."""
+    return re.sub(r"\s+", " ", re.sub(r"\((R|TM)\)| Processor| CPU", "", name)).strip()
+
+
 def render(
     rows: list[dict],
     command: str,
@@ -236,8 +242,12 @@ def render(
     over = [r for r in rows if r["materialised"] and r["materialised"] > r["budget"]]
     confirmed = sum(bool(r.get("confirmed")) for r in rows)
     lines = [
-        f"## auto{' on ' + cpu() if cpu_in_title else ''}: the chosen route against the "
-        f"fastest, {threads} thread" + ("s" if threads > 1 else ""),
+        (
+            f"## auto on {short_cpu(cpu())}, {threads} thread"
+            if cpu_in_title
+            else f"## auto: the chosen route against the fastest, {threads} thread"
+        )
+        + ("s" if threads > 1 else ""),
         "",
         f"auto within 10 % of the fastest in {within} of {len(rows)} cells (worst "
         f"{max(ratios):.2f}x); the backend it chose within 10 % of the fastest, in the same "

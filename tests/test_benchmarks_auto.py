@@ -70,8 +70,14 @@ def test_summary_finds_the_fastest_backend_and_the_table_counts_cells_within_ten
     titled = bench.render(good, "`cmd`", 60.0, 3, threads=1, cpu_in_title=True)
     from _report import cpu
 
-    assert titled.startswith(
-        f"## auto on {cpu()}: the chosen route against the fastest, 1 thread\n"
+    assert titled.startswith(f"## auto on {bench.short_cpu(cpu())}, 1 thread\n")
+
+
+def test_a_heading_names_the_cpu_without_trademarks() -> None:
+    name = "Intel(R) Xeon(R) Processor (AVX-512 with avx512_bf16, with AMX)"
+    assert bench.short_cpu(name) == "Intel Xeon (AVX-512 with avx512_bf16, with AMX)"
+    assert bench.short_cpu("AMD EPYC 9R14 96-Core Processor (AVX2, no AVX-512, no AMX)") == (
+        "AMD EPYC 9R14 96-Core (AVX2, no AVX-512, no AMX)"
     )
 
 
