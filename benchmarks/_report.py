@@ -11,9 +11,7 @@ measured (``benchmarks/charts.py`` redraws them from the tables already recorded
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import os
 import platform
 import re
@@ -26,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attnkit._io import atomic_write_bytes, atomic_write_text
+from attnkit.commands.arguments import number
 
 if TYPE_CHECKING:  # torch loads on first use: a script checks its arguments before that
     import torch
@@ -42,72 +41,17 @@ MAX_THREADS = 1024  # threads, processes or cores one run may ask for
 MAX_SECONDS = 1_000_000  # a time limit (11.6 days); far larger ones overflow the OS's timers
 
 
-def _whole(text: str, lowest: int, highest: int | None) -> int:
-    expected = (
-        f"a whole number of at least {lowest}"
-        if highest is None
-        else f"a whole number from {lowest} to {highest}"
-    )
-    try:
-        if isinstance(text, bool):
-            raise ValueError
-        value = int(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}") from None
-    if value < lowest or (highest is not None and value > highest):
-        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}")
-    return value
-
-
-def _finite(text: str, above_zero: bool, highest: float | None = None) -> float:
-    expected = f"a finite number {'above 0' if above_zero else 'of at least 0'}"
-    expected += "" if highest is None else f" and at most {highest:,}"
-    try:
-        if isinstance(text, bool):
-            raise ValueError
-        value = float(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}") from None
-    too_big = highest is not None and value > highest
-    if not math.isfinite(value) or value < 0 or (above_zero and value == 0) or too_big:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """An argparse ``type``: a whole number >= 1 (a count, a size, rounds)."""
-    return _whole(text, 1, None)
-
-
-def natural_int(text: str) -> int:
-    """An argparse ``type``: a whole number >= 0 (warm-up rounds, a seed)."""
-    return _whole(text, 0, None)
-
-
-def thread_count(text: str) -> int:
-    """An argparse ``type``: threads, processes or cores, from 1 to ``MAX_THREADS``."""
-    return _whole(text, 1, MAX_THREADS)
-
-
-def port_number(text: str) -> int:
-    """An argparse ``type``: a TCP port a server may listen on, the next one free for another
-    (1 to 65534)."""
-    return _whole(text, 1, 65534)
-
-
-def positive_float(text: str) -> float:
-    """An argparse ``type``: a finite number > 0 (a size in GB); no nan, no inf."""
-    return _finite(text, above_zero=True)
-
-
-def time_limit(text: str) -> float:
-    """An argparse ``type``: a time limit in seconds, above 0 and at most ``MAX_SECONDS``."""
-    return _finite(text, above_zero=True, highest=MAX_SECONDS)
-
-
-def natural_float(text: str) -> float:
-    """An argparse ``type``: a finite number >= 0; no nan, no inf."""
-    return _finite(text, above_zero=False)
+# argparse types: each refuses, in one line naming the value, what is not a number in range.
+positive_int = number(int, 1, "a whole number of at least 1")  # a count, a size, rounds
+natural_int = number(int, 0, "a whole number of at least 0")  # warm-up rounds, a seed
+thread_count = number(int, 1, f"a whole number from 1 to {MAX_THREADS}", MAX_THREADS)
+# a TCP port a server may listen on, the next one free for another (llama.cpp's)
+port_number = number(int, 1, "a whole number from 1 to 65534", 65534)
+positive_float = number(float, 1e-300, "a finite number above 0")  # a size in GB
+natural_float = number(float, 0, "a finite number of at least 0")
+time_limit = number(
+    float, 1e-300, f"a finite number above 0 and at most {MAX_SECONDS:,}", MAX_SECONDS
+)
 
 
 def cpu() -> str:

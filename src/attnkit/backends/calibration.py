@@ -240,7 +240,7 @@ def fit(
 
 
 def _factors(parts: list[tuple[float, float, float, float]]) -> tuple[float, float, float]:
-    """The fixed-cost, matmul and per-pair factors of ``fit`` from (fixed, matmuls, per pair,
+    """The fixed-cost, throughput and per-pair factors of ``fit`` from (fixed, matmuls, per pair,
     measured) seconds per call. The first two alternate, each net of the other's share: the
     fixed costs over the calls they dominate, the throughput over the rest (matmuls and
     per-pair work together, as the reference balances them). Then the per-pair factor is

@@ -12,29 +12,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from attnkit.commands.arguments import number
+
 if TYPE_CHECKING:
     from attnkit.distributed.ddp import DistEnv
     from attnkit.train.loop import TrainConfig
-
-
-def _number(kind: type, least: float, words: str, most: float = math.inf) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {words}") from None
-        # Also refuses a NaN, and an infinity (every number here is a finite setting).
-        if not least <= value <= most or (kind is float and not math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {words}")
-        return value
-
-    parse.__name__ = words  # argparse names the type in its messages
-    return parse
 
 
 def PATH(text: str) -> Path:
@@ -45,12 +31,12 @@ def PATH(text: str) -> Path:
 
 
 PATH.__name__ = "a path"
-POSITIVE = _number(int, 1, "a whole number of at least 1")
-NATURAL = _number(int, 0, "a whole number of at least 0")
+POSITIVE = number(int, 1, "a whole number of at least 1")
+NATURAL = number(int, 0, "a whole number of at least 0")
 # float32 holds up to about 3.4e38: a larger setting overflows in the first step
-POSITIVE_FLOAT = _number(float, 1e-300, "a number above 0 and at most 3.4e38", 3.4e38)
-THREADS = _number(int, 1, "a whole number from 1 to 1024", 1024)  # torch takes up to 2**31 - 1
-SEED = _number(int, 0, "a whole number from 0 to 2**63 - 1", 2**63 - 1)  # torch's seeds
+POSITIVE_FLOAT = number(float, 1e-300, "a number above 0 and at most 3.4e38", 3.4e38)
+THREADS = number(int, 1, "a whole number from 1 to 1024", 1024)  # torch takes up to 2**31 - 1
+SEED = number(int, 0, "a whole number from 0 to 2**63 - 1", 2**63 - 1)  # torch's seeds
 TEXT_ONLY = ("max_len", "limit_train", "freeze_layers")  # options only the text task reads
 # The worked examples of the course (docs/learn): their default model sizes, which the options
 # --d-model, --heads and --layers replace.
